@@ -1,0 +1,1 @@
+"""What gateway, worker and services all speak: settings, protocol, Redis names, errors."""

@@ -1,0 +1,77 @@
+"""One error hierarchy for the whole system; the gateway maps it to OpenAI's error shape once."""
+from __future__ import annotations
+
+
+class KvgateError(Exception):
+    """An error a client should see: HTTP status, OpenAI error type and code, offending param."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.retry_after = retry_after
+
+    def to_openai(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class InvalidRequest(KvgateError):
+    status, type, code = 400, "invalid_request_error", "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    code = "context_length_exceeded"
+
+
+class AuthenticationFailed(KvgateError):
+    status, type, code = 401, "authentication_error", "invalid_api_key"
+
+
+class PermissionDenied(KvgateError):
+    status, type, code = 403, "permission_error", "model_not_allowed"
+
+
+class NotFound(KvgateError):
+    status, type, code = 404, "invalid_request_error", "model_not_found"
+
+
+class PayloadTooLarge(KvgateError):
+    status, type, code = 413, "invalid_request_error", "payload_too_large"
+
+
+class Unprocessable(KvgateError):
+    status, type, code = 422, "invalid_request_error", "invalid_value"
+
+
+class RateLimited(KvgateError):
+    status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
+
+
+class Overloaded(KvgateError):
+    status, type, code = 503, "overloaded_error", "service_unavailable"
+
+
+class RequestTimeout(KvgateError):
+    status, type, code = 504, "timeout_error", "timeout"
+
+
+class EngineFailure(KvgateError):
+    status, type, code = 500, "server_error", "engine_error"
+
+
+_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ContextLengthExceeded, AuthenticationFailed,
+                                      PermissionDenied, NotFound, PayloadTooLarge, Unprocessable,
+                                      RateLimited, Overloaded, RequestTimeout, EngineFailure)}
+
+
+def from_code(code: str | None, message: str, param: str | None = None) -> KvgateError:
+    """Rebuild an error that crossed Redis (worker → gateway) from its code."""
+    return _BY_CODE.get(code, EngineFailure)(message, param=param, code=code)

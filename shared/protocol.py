@@ -1,0 +1,131 @@
+"""The messages that cross Redis, with their schema version; encode and decode live only here.
+
+Request entries go gateway → worker on a stream; deltas, errors and done go worker → gateway on
+the gateway's reply channel, each numbered by a per-request sequence so duplicates and gaps show.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+import orjson
+from pydantic import BaseModel, Field, TypeAdapter
+
+SCHEMA_VERSION = 1
+ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encoded RequestEntry
+
+
+class WireParams(BaseModel):
+    """Sampling parameters as they travel; the worker turns them into engine SamplingParams."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    n: int = 1
+
+
+class RequestEntry(BaseModel):
+    v: int = SCHEMA_VERSION
+    type: Literal["request"] = "request"
+    request_id: str
+    reply_channel: str
+    model: str
+    version: str
+    kind: Literal["chat", "completion"]
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt_token_ids: list[int] | None = None
+    params: WireParams = Field(default_factory=WireParams)
+    created: float
+    deadline: float
+    priority: int = 0
+    key_id: str | None = None
+    cache_salt: str | None = None
+    trace: dict[str, str] = Field(default_factory=dict)
+
+
+class Delta(BaseModel):
+    """New text of one choice; `finish_reason` is set on the last delta of that choice."""
+
+    v: int = SCHEMA_VERSION
+    type: Literal["delta"] = "delta"
+    request_id: str
+    seq: int
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[dict[str, Any]] | None = None
+    finish_reason: str | None = None
+
+
+class Done(BaseModel):
+    """The request is over: usage is what the client is charged."""
+
+    v: int = SCHEMA_VERSION
+    type: Literal["done"] = "done"
+    request_id: str
+    seq: int
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class ErrorReply(BaseModel):
+    v: int = SCHEMA_VERSION
+    type: Literal["error"] = "error"
+    request_id: str
+    seq: int
+    code: str
+    message: str
+    param: str | None = None
+
+
+class Cancel(BaseModel):
+    v: int = SCHEMA_VERSION
+    type: Literal["cancel"] = "cancel"
+    request_id: str
+    reason: str = "client_disconnected"
+
+
+Reply = Annotated[Union[Delta, Done, ErrorReply], Field(discriminator="type")]
+_reply_adapter: TypeAdapter = TypeAdapter(Reply)
+
+
+class ProtocolError(ValueError):
+    """A message that is not ours or not of a schema version we understand."""
+
+
+def encode(msg: BaseModel) -> bytes:
+    return orjson.dumps(msg.model_dump(exclude_none=True))
+
+
+def _load(raw: bytes | str) -> dict:
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"not JSON: {exc}") from exc
+    if not isinstance(data, dict) or data.get("v") != SCHEMA_VERSION:
+        raise ProtocolError(f"unsupported schema version {data.get('v') if isinstance(data, dict) else None!r}")
+    return data
+
+
+def decode_entry(raw: bytes | str) -> RequestEntry:
+    return RequestEntry.model_validate(_load(raw))
+
+
+def decode_reply(raw: bytes | str) -> Delta | Done | ErrorReply:
+    return _reply_adapter.validate_python(_load(raw))
+
+
+def decode_cancel(raw: bytes | str) -> Cancel:
+    return Cancel.model_validate(_load(raw))

@@ -1,0 +1,45 @@
+"""One pydantic-settings class per process kind; all read `KVGATE_*` from the environment."""
+from __future__ import annotations
+
+import secrets
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
+
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where every process finds Redis")
+    log_level: str = Field("INFO", description="Logging level")
+
+
+class GatewaySettings(CommonSettings):
+    host: str = Field("127.0.0.1", description="Bind address (loopback by default)")
+    port: int = Field(8000, description="HTTP port")
+    api_key: str | None = Field(None, description="Bearer key every /v1 route requires")
+    gateway_id: str = Field(default_factory=lambda: secrets.token_hex(6),
+                            description="Names this process's reply channel")
+    max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")
+    request_timeout_s: float = Field(600.0, description="Total time a request may take")
+    keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
+    worker_ttl_s: float = Field(10.0, description="A worker whose heartbeat is older is not live")
+
+
+class WorkerSettings(CommonSettings):
+    model: str = Field("", description="Local Hugging Face model folder")
+    served_name: str = Field("demo", description="Model name clients ask for")
+    version: str = Field("v1", description="Version of the served name this worker serves")
+    engine: str = Field("paged", description="paged (continuous batching) or hf (naive baseline)")
+    device: str = Field("auto", description="cpu, cuda or auto")
+    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (from config)")
+    max_num_seqs: int = Field(64, description="Cap on concurrently running sequences")
+    max_num_batched_tokens: int = Field(2048, description="Token budget per engine step")
+    max_model_len: int | None = Field(None, description="Context cap (default: model's)")
+    block_size: int = Field(16, description="Tokens per KV block")
+    kv_cache_memory: int = Field(512 << 20, description="KV cache bytes on CPU")
+    gpu_memory_utilization: float = Field(0.9, description="Share of GPU memory to use on CUDA")
+    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
+    heartbeat_s: float = Field(1.0, description="Heartbeat period")
+    heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL")
+    worker_id: str = Field(default_factory=lambda: secrets.token_hex(6), description="Consumer name")

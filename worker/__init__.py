@@ -1,0 +1,1 @@
+"""GPU worker service: pulls requests from Redis streams and runs them on an engine."""

@@ -1,0 +1,73 @@
+"""The engine API's value types, shared by every engine (paged and the naive `hf` baseline)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus top-k
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    priority: int = 0  # lower value = more important (served first, preempted last)
+    cache_salt: str | None = None  # isolates prefix-cache entries per tenant
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one choice of one request (only choices that changed)."""
+
+    request_id: str
+    index: int  # choice index, 0..n-1
+    new_token_ids: list[int]
+    text: str  # newly released text (never half a UTF-8 character, never a possible stop prefix)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far for this choice
+
+
+class EngineRejected(ValueError):
+    """A request that can never run (too long for the model or the KV pool); message names numbers."""
+
+
+class Engine(Protocol):
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def free_capacity(self) -> int:
+        """How many more requests the engine can take right now (pull-based load balancing)."""
+        ...
+
+    def stats(self) -> dict: ...

@@ -1,0 +1,1 @@
+"""Model definitions and loading from local Hugging Face folders."""
