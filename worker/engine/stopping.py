@@ -1,0 +1,19 @@
+"""When a choice is done, decided from the token just produced (stop strings live in the detokenizer)."""
+from __future__ import annotations
+
+from collections.abc import Container
+
+from worker.engine.types import SamplingParams
+
+
+def check_finish(
+    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Container[int]
+) -> str | None:
+    """"stop", "length" or None; `num_output_tokens` counts `token_id` itself."""
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token_id in eos_token_ids and num_output_tokens >= params.min_tokens:
+        return "stop"
+    if num_output_tokens >= params.max_tokens:
+        return "length"
+    return None
