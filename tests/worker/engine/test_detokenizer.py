@@ -1,0 +1,95 @@
+"""Incremental detokenizer on the demo byte-level BPE tokenizer: final text only, stops cut exactly."""
+import pytest
+
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.models.demo import train_tokenizer
+
+MIXED = "Héllo wörld 你好 😀 model token 🎉 中文 café, the cache block stream"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return train_tokenizer()
+
+
+def ids_of(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def feed(tok, ids, stop=(), include=False, prompt=()):
+    """Add one token at a time; return (detokenizer, deltas)."""
+    d = IncrementalDetokenizer(tok, list(prompt), list(stop), include)
+    return d, [d.add([t]) for t in ids]
+
+
+def test_deltas_and_flush_reassemble_the_full_decode(tok):
+    ids = ids_of(tok, MIXED)
+    d, deltas = feed(tok, ids, prompt=ids_of(tok, "A prompt first"))
+    tail = d.flush()
+    assert "".join(deltas) + tail == tok.decode(ids) == MIXED
+    assert d.text == MIXED and not d.stopped
+
+
+def test_adding_several_tokens_at_once_gives_the_same_text(tok):
+    ids = ids_of(tok, MIXED)
+    d = IncrementalDetokenizer(tok, [], [], False)
+    out = "".join(d.add(ids[i:i + 3]) for i in range(0, len(ids), 3)) + d.flush()
+    assert out == MIXED
+
+
+@pytest.mark.parametrize("char", ["🎉", "中", "ж"])
+def test_a_character_split_across_tokens_is_never_emitted_half(tok, char):
+    ids = ids_of(tok, f"model {char}{char} token")
+    assert len(ids_of(tok, char)) > 1, "pick a character the demo vocab splits into bytes"
+    d, deltas = feed(tok, ids)
+    assert all("\ufffd" not in delta for delta in deltas)
+    assert "".join(deltas) + d.flush() == f"model {char}{char} token"
+
+
+def test_stop_string_spanning_tokens_is_excluded(tok):
+    text, stop = "the cache block stream worker", "ck str"
+    ids = ids_of(tok, text)
+    spans = [tok.decode([t]) for t in ids]
+    assert not any(stop in s for s in spans), "the stop string must span a token boundary"
+    d, deltas = feed(tok, ids, stop=[stop])
+    assert d.stopped and "".join(deltas) == "the cache blo" == d.text
+    assert d.add(ids_of(tok, " more")) == "" and d.flush() == ""
+
+
+def test_stop_string_included_when_asked(tok):
+    d, deltas = feed(tok, ids_of(tok, "the cache block stream worker"), stop=["ck str"], include=True)
+    assert d.stopped and "".join(deltas) == "the cache block str"
+
+
+def test_nothing_after_the_stop_is_released_even_within_one_token(tok):
+    d = IncrementalDetokenizer(tok, [], ["he"], False)
+    assert d.add(ids_of(tok, "the cache")) == "t" and d.stopped
+
+
+def test_the_stop_that_completes_first_wins(tok):
+    d, deltas = feed(tok, ids_of(tok, "one two three four"), stop=["three four", "two"])
+    assert "".join(deltas) == "one "
+
+
+def test_possible_stop_prefix_is_held_then_released(tok):
+    ids = ids_of(tok, "the block stream")
+    d = IncrementalDetokenizer(tok, [], ["block queue"], False)
+    released = []
+    for t in ids:
+        released.append(d.add([t]))
+        if tok.decode(ids[: len(released)]) == "the block":
+            assert d.text == "the "  # "block" could still become "block queue"
+    assert d.text == "the block stream" and not d.stopped
+    assert d.flush() == ""
+
+
+def test_flush_releases_a_held_stop_prefix(tok):
+    d, deltas = feed(tok, ids_of(tok, "the cache blo"), stop=["block"])
+    assert "".join(deltas) == "the cache " and d.flush() == "blo"
+    assert d.text == "the cache blo" and not d.stopped
+
+
+def test_special_tokens_are_not_rendered(tok):
+    ids = ids_of(tok, "hello") + [tok.eos_token_id]
+    d, deltas = feed(tok, ids)
+    assert "".join(deltas) + d.flush() == "hello"

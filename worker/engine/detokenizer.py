@@ -1,0 +1,86 @@
+"""Incremental detokenizing with stop strings: text is released only once it is final.
+
+Text is final when (1) it does not end in U+FFFD, which byte-level tokenizers produce for a UTF-8
+character whose bytes are split across tokens, and (2) no suffix of it could still grow into a
+stop string. Decoding a small window (prefix offset .. end) instead of the whole sequence keeps
+each step cheap and lets tokenizers that add spaces by context decode the new tokens correctly.
+Invariant: released text never ends in a proper prefix of a stop string, so any stop match lies
+wholly inside the pending (unreleased) text.
+"""
+from __future__ import annotations
+
+REPLACEMENT_CHAR = "\ufffd"
+_PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output token, as vLLM does
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop_str_in_output: bool
+    ):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids)
+        self.prefix_offset = max(len(self.ids) - _PROMPT_CONTEXT, 0)
+        self.read_offset = len(self.ids)
+        self.stop = [s for s in stop if s]
+        self.include_stop = include_stop_str_in_output
+        self.pending = ""  # decoded, complete text held back because it may begin a stop string
+        self.text = ""  # everything released so far
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Append generated tokens; return the text that became final."""
+        if self.stopped:
+            return ""
+        self.ids.extend(token_ids)
+        self.pending += self._decode_new(final=False)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """The sequence ended for another reason: release everything still held."""
+        if self.stopped:
+            return ""
+        self.pending += self._decode_new(final=True)
+        return self._release(final=True)
+
+    def _decode_new(self, final: bool) -> str:
+        """Text of tokens past read_offset, or "" while it still ends in half a character."""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        full_text = self._decode(self.prefix_offset, len(self.ids))
+        if len(full_text) <= len(prefix_text) or (full_text.endswith(REPLACEMENT_CHAR) and not final):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return full_text[len(prefix_text):]
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+
+    def _release(self, final: bool) -> str:
+        """Cut at the first stop string if one matched, else keep back a possible stop prefix."""
+        match = self._first_stop()
+        if match is not None:
+            cut, self.stopped = match[1] if self.include_stop else match[0], True
+            out, self.pending = self.pending[:cut], ""
+        else:
+            cut = len(self.pending) - (0 if final else self._possible_stop_prefix_len())
+            out, self.pending = self.pending[:cut], self.pending[cut:]
+        self.text += out
+        return out
+
+    def _first_stop(self) -> tuple[int, int] | None:
+        """(start, end) of the stop string that completes earliest in the pending text."""
+        best = None
+        for s in self.stop:
+            i = self.pending.find(s)
+            if i >= 0 and (best is None or i + len(s) < best[1]):
+                best = (i, i + len(s))
+        return best
+
+    def _possible_stop_prefix_len(self) -> int:
+        """Length of the longest pending suffix that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(self.pending)), longest, -1):
+                if self.pending.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
