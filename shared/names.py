@@ -31,3 +31,8 @@ WORKERS_ZSET = f"{PREFIX}:workers"
 def worker_key(worker_id: str) -> str:
     """A worker's registry entry (JSON, with a TTL refreshed by its heartbeat)."""
     return f"{PREFIX}:worker:{worker_id}"
+
+
+def model_versions_key(served_name: str) -> str:
+    """Hash version → info of every version ever served under a name (bounded by versions)."""
+    return f"{PREFIX}:model:{served_name}"

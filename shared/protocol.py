@@ -17,7 +17,7 @@ ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encod
 class WireParams(BaseModel):
     """Sampling parameters as they travel; the worker turns them into engine SamplingParams."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = None  # None: as many as the context leaves
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0

@@ -1,0 +1,1 @@
+"""The governance gateway: OpenAI-compatible API in front of the Redis streams."""

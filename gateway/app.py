@@ -1,0 +1,66 @@
+"""The gateway's FastAPI app: wiring only. Routes live in their own modules."""
+from __future__ import annotations
+
+import logging
+from contextlib import asynccontextmanager
+
+import redis.asyncio as aioredis
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from gateway import errors
+from gateway.body_limit import BodyLimitMiddleware
+from gateway.dispatch import Dispatcher
+from gateway.openai_api import router as openai_router
+from gateway.registry import Registry
+from shared.settings import GatewaySettings
+
+
+def create_app(settings: GatewaySettings | None = None) -> FastAPI:
+    settings = settings or GatewaySettings()
+    if not settings.api_key:
+        raise SystemExit("kvgate gateway: set KVGATE_API_KEY (or --api-key); every /v1 route needs it")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                         socket_timeout=5, health_check_interval=10)
+        app.state.redis = client
+        app.state.registry = Registry(client)
+        app.state.dispatcher = Dispatcher(client, settings.gateway_id)
+        await app.state.dispatcher.start()
+        yield
+        await app.state.dispatcher.stop()
+        await client.aclose()
+
+    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible LLM gateway in front of paged-KV workers")
+    app.state.settings = settings
+    errors.install(app)
+    app.include_router(openai_router)
+    app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"])
+    app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """uvicorn factory (`--factory`), so several worker processes each build their own app."""
+    return create_app(GatewaySettings())
+
+
+async def healthz() -> dict:
+    """The process is up."""
+    return {"status": "ok"}
+
+
+async def readyz(request: Request):
+    """Ready when Redis answers and the reply channel is subscribed."""
+    try:
+        await request.app.state.redis.ping()
+    except Exception as exc:
+        return JSONResponse({"status": "unavailable", "reason": type(exc).__name__}, status_code=503)
+    if not request.app.state.dispatcher.subscribed.is_set():
+        return JSONResponse({"status": "unavailable", "reason": "not subscribed"}, status_code=503)
+    return {"status": "ok"}

@@ -1,0 +1,144 @@
+"""Dispatch: XADD a request entry, then hand its replies (demultiplexed by request id from this
+process's reply channel) to whoever awaits them. Subscribed before the first XADD, always.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+
+from shared import names, protocol
+from shared.errors import EngineFailure, Overloaded, RequestTimeout, from_code
+
+log = logging.getLogger("kvgate.gateway")
+KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
+CANCEL_MARK_TTL_S = 600
+
+
+class Dispatcher:
+    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+        self.redis = redis
+        self.channel = names.reply_channel(gateway_id)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.subscribed = asyncio.Event()
+        self._listener: asyncio.Task | None = None
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        self._listener = asyncio.create_task(self._listen_forever())
+        await asyncio.wait_for(self.subscribed.wait(), timeout=10)
+
+    async def stop(self) -> None:
+        if self._listener:
+            self._listener.cancel()
+
+    async def _listen_forever(self) -> None:
+        while True:
+            try:
+                await self._listen()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis went away: resubscribe when it is back
+                self.subscribed.clear()
+                log.warning("reply listener lost Redis (%s); reconnecting", type(exc).__name__)
+                await asyncio.sleep(0.5)
+
+    async def _listen(self) -> None:
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.channel)
+        try:
+            async for msg in pubsub.listen():
+                if msg["type"] == "subscribe":
+                    self.subscribed.set()
+                elif msg["type"] == "message":
+                    self._deliver(msg["data"])
+        finally:
+            await pubsub.aclose()
+
+    def _deliver(self, raw: bytes) -> None:
+        try:
+            reply = protocol.decode_reply(raw)
+        except ValueError as exc:
+            log.warning("dropping undecodable reply: %s", exc)
+            return
+        queue = self.queues.get(reply.request_id)
+        if queue is not None:
+            queue.put_nowait(reply)
+
+    async def submit(self, stream: str, entry: protocol.RequestEntry) -> "Handle":
+        if not self.subscribed.is_set():
+            raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[entry.request_id] = queue
+        try:
+            await self.redis.xadd(stream, {protocol.ENTRY_FIELD: protocol.encode(entry)})
+        except Exception as exc:
+            self.queues.pop(entry.request_id, None)
+            raise Overloaded(f"queue unavailable ({type(exc).__name__}); retry shortly",
+                             retry_after=1) from exc
+        return Handle(self, entry.request_id, queue, entry.deadline)
+
+    def cancel_soon(self, request_id: str, reason: str) -> None:
+        """Fire-and-forget: safe to call from a cancelled task's `finally`."""
+        task = asyncio.create_task(self._cancel(request_id, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel(self, request_id: str, reason: str) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(names.cancelled_key(request_id), reason, ex=CANCEL_MARK_TTL_S)
+            pipe.publish(names.CANCEL_CHANNEL,
+                         protocol.encode(protocol.Cancel(request_id=request_id, reason=reason)))
+            await pipe.execute()
+        except Exception as exc:
+            log.warning("could not publish cancel for %s: %s", request_id, exc)
+
+    def release(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+
+class Handle:
+    """The replies of one request, in sequence order, duplicates dropped, gaps refused."""
+
+    def __init__(self, dispatcher: Dispatcher, request_id: str, queue: asyncio.Queue,
+                 deadline: float):
+        self.dispatcher = dispatcher
+        self.request_id = request_id
+        self.queue = queue
+        self.deadline = deadline
+        self.last_seq = 0
+        self.done = False
+
+    async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
+        """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise."""
+        while not self.done:
+            remaining = self.deadline - time.time()
+            if remaining <= 0:
+                raise RequestTimeout("request exceeded its total time limit")
+            try:
+                reply = await asyncio.wait_for(self.queue.get(), timeout=min(keepalive_s, remaining))
+            except asyncio.TimeoutError:
+                yield KEEPALIVE
+                continue
+            if reply.seq <= self.last_seq:
+                continue
+            if reply.seq != self.last_seq + 1:
+                raise EngineFailure(f"reply stream gap: expected seq {self.last_seq + 1}, "
+                                    f"got {reply.seq}")
+            self.last_seq = reply.seq
+            if isinstance(reply, protocol.ErrorReply):
+                self.done = True
+                raise from_code(reply.code, reply.message, reply.param)
+            if isinstance(reply, protocol.Done):
+                self.done = True
+            yield reply
+
+    def close(self, reason: str = "client_disconnected") -> None:
+        if not self.done:
+            self.dispatcher.cancel_soon(self.request_id, reason)
+        self.dispatcher.release(self.request_id)
+

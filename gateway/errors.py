@@ -1,0 +1,72 @@
+"""Every error the gateway returns, in OpenAI's shape, mapped from shared.errors in one place."""
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shared.errors import KvgateError
+
+log = logging.getLogger("kvgate.gateway")
+
+
+def error_response(exc: KvgateError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
+    return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or None
+
+
+async def _on_kvgate(_: Request, exc: KvgateError) -> JSONResponse:
+    return error_response(exc)
+
+
+async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _param(tuple(first.get("loc", ())))
+    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if first.get("type") == "json_invalid":
+        message, param = "request body is not valid JSON", None
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                      "code": "invalid_value"}}
+    return JSONResponse(body, status_code=422)
+
+
+async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    kind = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
+            405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+    body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _on_redis(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("redis unavailable: %s", type(exc).__name__)
+    from shared.errors import Overloaded
+
+    return error_response(Overloaded("The queue (Redis) is unavailable; retry shortly", retry_after=1))
+
+
+async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error: %s", type(exc).__name__)
+    body = {"error": {"message": "internal error", "type": "server_error", "param": None,
+                      "code": "internal_error"}}
+    return JSONResponse(body, status_code=500)
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(KvgateError, _on_kvgate)
+    app.add_exception_handler(RequestValidationError, _on_validation)
+    app.add_exception_handler(StarletteHTTPException, _on_http)
+    app.add_exception_handler(redis.RedisError, _on_redis)
+    app.add_exception_handler(Exception, _on_unexpected)

@@ -1,0 +1,189 @@
+"""The OpenAI-compatible routes. One function per hop: validate → route → dispatch → respond."""
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from gateway.auth import require_key
+from gateway.dispatch import KEEPALIVE, Handle
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from shared import names, protocol
+from shared.errors import KvgateError, NotFound
+
+router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["openai"])
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict:
+    """Served names that have a live worker."""
+    live = await request.app.state.registry.live_names()
+    return {"object": "list", "data": [_model_card(n) for n in live]}
+
+
+@router.get("/models/{model_id}")
+async def get_model(model_id: str, request: Request) -> dict:
+    if model_id not in await request.app.state.registry.live_names():
+        raise NotFound(f"The model '{model_id}' does not exist", param="model")
+    return _model_card(model_id)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return await _serve(request, body, "chat", dict(messages=messages), logprobs)
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    prompt = dict(prompt_token_ids=body.prompt) if isinstance(body.prompt, list) else dict(prompt=body.prompt)
+    return await _serve(request, body, "completion", prompt, body.logprobs)
+
+
+async def _serve(request: Request, body, kind: str, prompt: dict, logprobs: int | None):
+    state = request.app.state
+    version = await state.registry.route(body.model)
+    entry = _entry(request, body, kind, version, prompt, logprobs)
+    handle = await state.dispatcher.submit(names.request_stream(body.model, version), entry)
+    headers = {"x-kvgate-version": version, "x-request-id": entry.request_id}
+    shape = _Shape(kind, entry.request_id, body.model, body.n)
+    if body.stream:
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        gen = _sse(handle, shape, usage, state.settings.keepalive_s)
+        return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    try:
+        result = await _collect(handle, shape, state.settings.keepalive_s)
+    finally:
+        handle.close("client_gone")
+    return JSONResponse(result, headers=headers)
+
+
+def _entry(request: Request, body, kind: str, version: str, prompt: dict,
+           logprobs: int | None) -> protocol.RequestEntry:
+    settings = request.app.state.settings
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    now = time.time()
+    params = protocol.WireParams(
+        max_tokens=body.limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+        min_p=body.min_p, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
+        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty, logprobs=logprobs, ignore_eos=body.ignore_eos,
+        min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+        n=body.n)
+    return protocol.RequestEntry(
+        request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=request.app.state.dispatcher.channel,
+        model=body.model, version=version, kind=kind, params=params, created=now,
+        deadline=now + settings.request_timeout_s, priority=body.priority, **prompt)
+
+
+class _Shape:
+    """Builds OpenAI's response objects for one request (chat or text completion)."""
+
+    def __init__(self, kind: str, request_id: str, model: str, n: int):
+        self.kind, self.id, self.model, self.n = kind, request_id, model, n
+        self.created = int(time.time())
+
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+               "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def delta_choice(self, d: protocol.Delta) -> dict:
+        if self.kind == "chat":
+            return {"index": d.index, "delta": {"content": d.text} if d.text else {},
+                    "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason}
+        return {"index": d.index, "text": d.text, "logprobs": _text_logprobs(d.logprobs),
+                "finish_reason": d.finish_reason}
+
+    def role_choices(self) -> list[dict]:
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(self.n)]
+
+    def final(self, texts: dict, reasons: dict, logprobs: dict, usage: dict) -> dict:
+        choices = []
+        for i in range(self.n):
+            lps = logprobs.get(i)
+            if self.kind == "chat":
+                choices.append({"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
+                                "logprobs": _chat_logprobs(lps), "finish_reason": reasons.get(i)})
+            else:
+                choices.append({"index": i, "text": texts.get(i, ""), "logprobs": _text_logprobs(lps),
+                                "finish_reason": reasons.get(i)})
+        obj = "chat.completion" if self.kind == "chat" else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage}
+
+
+def _usage(done: protocol.Done) -> dict:
+    return {"prompt_tokens": done.prompt_tokens, "completion_tokens": done.completion_tokens,
+            "total_tokens": done.prompt_tokens + done.completion_tokens}
+
+
+def _chat_logprobs(lps: list[dict] | None) -> dict | None:
+    if lps is None:
+        return None
+    def item(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
+    return {"content": [{**item(e["token"], e["logprob"]),
+                         "top_logprobs": [item(t, v) for t, v in e["top"]]} for e in lps]}
+
+
+def _text_logprobs(lps: list[dict] | None) -> dict | None:
+    if lps is None:
+        return None
+    return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
+            "top_logprobs": [dict(e["top"]) for e in lps]}
+
+
+async def _collect(handle: Handle, shape: _Shape, keepalive_s: float) -> dict:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    logprobs: dict[int, list] = {}
+    async for reply in handle.replies(keepalive_s):
+        if isinstance(reply, protocol.Delta):
+            texts[reply.index] = texts.get(reply.index, "") + reply.text
+            if reply.logprobs is not None:
+                logprobs.setdefault(reply.index, []).extend(reply.logprobs)
+            if reply.finish_reason:
+                reasons[reply.index] = reply.finish_reason
+        elif isinstance(reply, protocol.Done):
+            return shape.final(texts, reasons, logprobs, _usage(reply))
+    raise AssertionError("reply stream ended without done")  # pragma: no cover
+
+
+def _event(obj: Any) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+async def _sse(handle: Handle, shape: _Shape, include_usage: bool, keepalive_s: float) -> AsyncIterator[bytes]:
+    """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
+    try:
+        if shape.kind == "chat":
+            yield _event(shape.chunk(shape.role_choices()))
+        try:
+            async for reply in handle.replies(keepalive_s):
+                if reply is KEEPALIVE:
+                    yield b": keep-alive\n\n"
+                elif isinstance(reply, protocol.Delta):
+                    yield _event(shape.chunk([shape.delta_choice(reply)]))
+                elif isinstance(reply, protocol.Done) and include_usage:
+                    yield _event(shape.chunk([], usage=_usage(reply)))
+        except KvgateError as exc:
+            yield _event(exc.to_openai())
+        yield b"data: [DONE]\n\n"
+    finally:
+        handle.close("client_disconnected")
+
+
+def _model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate"}

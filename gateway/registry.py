@@ -1,0 +1,43 @@
+"""Which served names exist, which workers are live, and which version a request goes to."""
+from __future__ import annotations
+
+import time
+
+import orjson
+import redis.asyncio as aioredis
+
+from shared import names
+from shared.errors import NotFound, Overloaded
+
+
+class Registry:
+    """Reads the worker registry from Redis, cached for a fraction of a second per process."""
+
+    def __init__(self, redis: aioredis.Redis, cache_s: float = 0.5):
+        self.redis = redis
+        self.cache_s = cache_s
+        self._workers: list[dict] = []
+        self._fetched = 0.0
+
+    async def live_workers(self) -> list[dict]:
+        if time.monotonic() - self._fetched < self.cache_s:
+            return self._workers
+        ids = await self.redis.zrangebyscore(names.WORKERS_ZSET, time.time(), "+inf")
+        infos = await self.redis.mget([names.worker_key(i.decode()) for i in ids]) if ids else []
+        self._workers = [orjson.loads(raw) for raw in infos if raw]
+        self._fetched = time.monotonic()
+        return self._workers
+
+    async def live_names(self) -> list[str]:
+        return sorted({w["served_name"] for w in await self.live_workers()})
+
+    async def route(self, served_name: str) -> str:
+        """The version to serve `served_name` from: 404 if never served, 503 if none is live."""
+        live = sorted({w["version"] for w in await self.live_workers()
+                       if w["served_name"] == served_name})
+        if live:
+            return live[-1]
+        if not await self.redis.exists(names.model_versions_key(served_name)):
+            raise NotFound(f"The model '{served_name}' does not exist", param="model")
+        raise Overloaded(f"No live worker serves '{served_name}' right now; retry shortly",
+                         param="model", retry_after=2)

@@ -1,0 +1,102 @@
+"""The `kvgate` console script. Each subcommand is a thin front for one process or tool."""
+from __future__ import annotations
+
+import os
+import sys
+
+import click
+
+
+@click.group()
+def main() -> None:
+    """kvgate: an LLM gateway and paged-KV workers that meet at Redis."""
+
+
+@main.command("demo-model")
+@click.argument("directory", type=click.Path(file_okay=False))
+def demo_model(directory: str) -> None:
+    """Write the small random-weight demo Llama (with tokenizer and chat template) to DIRECTORY."""
+    from worker.models.demo import build_model_dir
+
+    path = build_model_dir(directory)
+    click.echo(f"demo model written to {path}")
+
+
+@main.command()
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Local Hugging Face model folder")
+@click.option("--served-name", default="demo", show_default=True)
+@click.option("--version", "version_", default="v1", show_default=True)
+@click.option("--engine", type=click.Choice(["paged", "hf"]), default="paged", show_default=True)
+@click.option("--redis-url", envvar="KVGATE_REDIS_URL", default="redis://127.0.0.1:6379/0",
+              show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--dtype", default="auto", show_default=True)
+@click.option("--max-num-seqs", type=int, default=None)
+@click.option("--max-num-batched-tokens", type=int, default=None)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--block-size", type=int, default=None)
+@click.option("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
+@click.option("--gpu-memory-utilization", type=float, default=None)
+@click.option("--no-prefix-caching", is_flag=True, default=False)
+def worker(model, served_name, version_, engine, redis_url, no_prefix_caching, **engine_opts) -> None:
+    """Serve MODEL from the stream of (served name, version)."""
+    from shared.settings import WorkerSettings
+    from worker.main import run_worker
+
+    overrides = {k: v for k, v in engine_opts.items() if v is not None}
+    if no_prefix_caching:
+        overrides["enable_prefix_caching"] = False
+    settings = WorkerSettings(model=model, served_name=served_name, version=version_,
+                              engine=engine, redis_url=redis_url, **overrides)
+    run_worker(settings)
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--redis-url", envvar="KVGATE_REDIS_URL", default="redis://127.0.0.1:6379/0",
+              show_default=True)
+@click.option("--workers", type=int, default=1, show_default=True, help="Gateway processes")
+def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
+    """Run the gateway (the bearer key comes from KVGATE_API_KEY, never the command line)."""
+    import uvicorn
+
+    os.environ["KVGATE_REDIS_URL"] = redis_url
+    os.environ["KVGATE_HOST"], os.environ["KVGATE_PORT"] = host, str(port)
+    if not os.environ.get("KVGATE_API_KEY"):
+        raise click.UsageError("set KVGATE_API_KEY: every /v1 route requires it")
+    uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
+                workers=workers, log_level="warning", timeout_graceful_shutdown=10)
+
+
+@main.command()
+@click.option("--model", envvar="MODEL", default=None,
+              help="Hugging Face model folder (default: the demo model, built once)")
+@click.option("--served-name", default="demo", show_default=True)
+@click.option("--version", "version_", default="v1", show_default=True)
+@click.option("--engine", type=click.Choice(["paged", "hf"]), default="paged", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True, help="Gateway port (0 = any free)")
+@click.option("--redis-port", type=int, default=0, show_default=True, help="0 = any free port")
+@click.option("--state-dir", default=".kvgate", show_default=True,
+              help="Where URLs and keys for scripts are written")
+def up(**opts) -> None:
+    """Start Redis, one worker and the gateway on 127.0.0.1; Ctrl-C stops them all."""
+    from kvgate.up import run_up
+
+    sys.exit(run_up(**opts))
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks that print a table and write JSON."""
+
+
+@bench.command("engine")
+@click.option("--quick", is_flag=True, help="A smaller version of each workload (smoke check)")
+@click.option("--out", default="bench-out/engine.json", show_default=True)
+def bench_engine(quick: bool, out: str) -> None:
+    """W1 throughput, W2 prefix cache, W3 KV efficiency: kvgate vs transformers, one process."""
+    from worker.engine.bench import run_bench
+
+    run_bench(quick=quick, out_json=out)

@@ -1,0 +1,143 @@
+"""`kvgate up`: the whole system on one machine as child processes, for `make run` and tests."""
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from shared.redis_server import RedisServer, free_port
+
+READY_TIMEOUT_S = 600
+
+
+def default_model_dir() -> Path:
+    """The demo model, built once into the user's cache folder."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvgate" / "demo-model-v1"
+    if not (cache / "config.json").exists():
+        from worker.models.demo import build_model_dir
+
+        tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+        build_model_dir(tmp)
+        tmp.replace(cache)
+    return cache
+
+
+def write_secret(path: Path, value: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    os.chmod(path, 0o600)
+
+
+class Stack:
+    """Redis + worker + gateway; stops all of them on exit, whatever happened."""
+
+    def __init__(self, state_dir: Path):
+        self.state = state_dir
+        self.redis: RedisServer | None = None
+        self.children: list[tuple[str, subprocess.Popen]] = []
+
+    def spawn(self, name: str, args: list[str], env: dict) -> None:
+        log = open(self.state / f"{name}.log", "ab")
+        proc = subprocess.Popen([sys.executable, "-m", "kvgate", *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append((name, proc))
+
+    def dead_child(self) -> str | None:
+        for name, proc in self.children:
+            if proc.poll() is not None:
+                return f"{name} exited with code {proc.returncode} (see {self.state / (name + '.log')})"
+        return None
+
+    def stop(self) -> None:
+        for _, proc in reversed(self.children):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for _, proc in reversed(self.children):
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if self.redis:
+            self.redis.stop()
+
+
+def wait_ready(stack: Stack, url: str, key: str, served_name: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    headers = {"Authorization": f"Bearer {key}"}
+    while time.monotonic() < deadline:
+        if (why := stack.dead_child()) is not None:
+            raise RuntimeError(why)
+        try:
+            models = httpx.get(f"{url}/v1/models", headers=headers, timeout=2)
+            if models.status_code == 200 and any(m["id"] == served_name for m in models.json()["data"]):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"stack not ready after {READY_TIMEOUT_S}s")
+
+
+def run_up(model, served_name, version_, engine, port, redis_port, state_dir) -> int:
+    state = Path(state_dir).resolve()
+    state.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(model).resolve() if model else default_model_dir()
+    port = port or free_port()
+    stack = Stack(state)
+    stopping = False
+
+    def on_signal(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.redis = RedisServer(port=redis_port, data_dir=state / "redis").start()
+        key = "sk-kvg-dev-" + secrets.token_urlsafe(24)
+        env = {**os.environ, "KVGATE_REDIS_URL": stack.redis.url}
+        stack.spawn("worker", ["worker", "--model", str(model_dir), "--served-name", served_name,
+                               "--version", version_, "--engine", engine,
+                               "--redis-url", stack.redis.url], env)
+        stack.spawn("gateway", ["gateway", "--port", str(port), "--redis-url", stack.redis.url],
+                    {**env, "KVGATE_API_KEY": key})
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(stack, url, key, served_name)
+        _write_state(state, url, stack.redis.url, key, model_dir)
+        _announce(url, key, served_name)
+        while not stopping:
+            if (why := stack.dead_child()) is not None:
+                print(f"kvgate up: {why}; stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.3)
+        return 0
+    except RuntimeError as exc:
+        print(f"kvgate up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("kvgate up: stopping", file=sys.stderr)
+        stack.stop()
+
+
+def _write_state(state: Path, url: str, redis_url: str, key: str, model_dir: Path) -> None:
+    (state / "gateway.url").write_text(url + "\n")
+    (state / "redis.url").write_text(redis_url + "\n")
+    (state / "model.dir").write_text(str(model_dir) + "\n")
+    write_secret(state / "dev.key", key)
+
+
+def _announce(url: str, key: str, served_name: str) -> None:
+    print(f"kvgate is up at {url}  (model '{served_name}')")
+    print(f"dev key: {key}")
+    print("try:")
+    print(f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
+          f"-H 'Content-Type: application/json' -d '{{\"model\": \"{served_name}\", \"stream\": true, "
+          f"\"max_tokens\": 32, \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
+          flush=True)

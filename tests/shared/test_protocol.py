@@ -1,0 +1,39 @@
+import pytest
+
+from shared import names, protocol
+
+
+def _entry(**kw):
+    base = dict(request_id="r1", reply_channel=names.reply_channel("g1"), model="demo", version="v1",
+                kind="chat", messages=[{"role": "user", "content": "hi"}], created=1.0, deadline=2.0)
+    return protocol.RequestEntry(**{**base, **kw})
+
+
+def test_entry_round_trip_keeps_every_field():
+    entry = _entry(params=protocol.WireParams(max_tokens=5, stop=["\n"], seed=7), priority=3,
+                   trace={"traceparent": "00-abc"})
+    assert protocol.decode_entry(protocol.encode(entry)) == entry
+
+
+@pytest.mark.parametrize("reply", [
+    protocol.Delta(request_id="r", seq=1, text="é", token_ids=[3], finish_reason="stop"),
+    protocol.Done(request_id="r", seq=2, prompt_tokens=4, completion_tokens=9),
+    protocol.ErrorReply(request_id="r", seq=1, code="timeout", message="late"),
+])
+def test_replies_round_trip_by_type(reply):
+    assert protocol.decode_reply(protocol.encode(reply)) == reply
+
+
+def test_unknown_schema_version_is_refused():
+    raw = protocol.encode(protocol.Cancel(request_id="r")).replace(b'"v":1', b'"v":99')
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_cancel(raw)
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_reply(b"not json")
+
+
+def test_names_are_namespaced_and_distinct():
+    made = {names.request_stream("m", "v"), names.request_stream("m", "v", names.BATCH_LANE),
+            names.reply_channel("g"), names.CANCEL_CHANNEL, names.cancelled_key("r"),
+            names.WORKERS_ZSET, names.worker_key("w"), names.model_versions_key("m")}
+    assert len(made) == 8 and all(n.startswith("kvgate:") for n in made)

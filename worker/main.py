@@ -1,0 +1,43 @@
+"""`kvgate worker`: build the engine the settings name and serve its stream until SIGTERM/SIGINT."""
+from __future__ import annotations
+
+import logging
+import signal
+
+from shared.settings import WorkerSettings
+
+
+def build_engine(s: WorkerSettings):
+    """The paged engine by default; `hf` is the naive one-at-a-time baseline kept for benchmarks."""
+    if s.engine == "hf":
+        from worker.engine.hf_engine import HFEngine
+
+        return HFEngine.from_model_dir(s.model, device=_device(s.device), dtype=s.dtype)
+    if s.engine == "paged":
+        from worker.engine.engine import LLMEngine
+
+        return LLMEngine.from_model_dir(
+            s.model, device=_device(s.device), dtype=s.dtype, block_size=s.block_size,
+            kv_cache_memory=s.kv_cache_memory, gpu_memory_utilization=s.gpu_memory_utilization,
+            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+            max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching)
+    raise ValueError(f"unknown engine {s.engine!r}: choose 'paged' or 'hf'")
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def run_worker(s: WorkerSettings) -> None:
+    from worker.service import WorkerService
+
+    logging.basicConfig(level=s.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    engine = build_engine(s)
+    service = WorkerService(s, engine, engine.tokenizer)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: service.stop())
+    service.run()

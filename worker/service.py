@@ -1,0 +1,256 @@
+"""The worker service: pulls request entries from its Redis stream, runs them on an engine, and
+publishes every delta to the entry's reply channel. The engine knows nothing of Redis; this does.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import orjson
+import redis
+
+from shared import names, protocol
+from shared.settings import WorkerSettings
+from worker.engine.types import EngineRejected, RequestOutput, SamplingParams
+
+log = logging.getLogger("kvgate.worker")
+
+
+@dataclass
+class Active:
+    """What the service remembers about one admitted request."""
+
+    entry_id: bytes
+    reply_channel: str
+    n: int
+    prompt_tokens: int = 0
+    seq: int = 0
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+
+def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) -> SamplingParams:
+    """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
+    p = entry.params
+    return SamplingParams(
+        max_tokens=p.max_tokens if p.max_tokens is not None else max(1, default_max_tokens), temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        min_p=p.min_p, seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty, logprobs=p.logprobs, ignore_eos=p.ignore_eos,
+        min_tokens=p.min_tokens, include_stop_str_in_output=p.include_stop_str_in_output, n=p.n,
+        priority=entry.priority, cache_salt=entry.cache_salt,
+    )
+
+
+class WorkerService:
+    def __init__(self, settings: WorkerSettings, engine, tokenizer):
+        self.s = settings
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.stream = names.request_stream(settings.served_name, settings.version)
+        self.active: dict[str, Active] = {}
+        self.cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self.stopping = threading.Event()
+        self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
+                         "requests_rejected": 0}
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self) -> None:
+        self._ensure_group()
+        self._register_model()
+        threads = [threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat"),
+                   threading.Thread(target=self._cancel_loop, daemon=True, name="cancels")]
+        for t in threads:
+            t.start()
+        log.info("worker %s serving %s:%s on %s", self.s.worker_id, self.s.served_name,
+                 self.s.version, self.stream)
+        try:
+            while not self.stopping.is_set():
+                self._iteration()
+        finally:
+            self._deregister()
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _iteration(self) -> None:
+        self._apply_cancels()
+        capacity = self.engine.free_capacity()
+        if capacity > 0:
+            busy = self.engine.has_unfinished()
+            for entry_id, raw in self._read(capacity, block_ms=None if busy else 100):
+                self._admit(entry_id, raw)
+        if self.engine.has_unfinished():
+            self._publish(self.engine.step())
+
+    # -- stream consumption ----------------------------------------------------------------
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream, names.CONSUMER_GROUP, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, bytes]]:
+        reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id, {self.stream: ">"},
+                                      count=count, block=block_ms)
+        if not reply:
+            return []
+        return [(entry_id, fields.get(protocol.ENTRY_FIELD, b"")) for entry_id, fields in reply[0][1]]
+
+    def _admit(self, entry_id: bytes, raw: bytes) -> None:
+        try:
+            entry = protocol.decode_entry(raw)
+        except (protocol.ProtocolError, ValueError) as exc:
+            log.warning("dropping malformed entry %s: %s", entry_id, exc)
+            self._ack(entry_id)
+            return
+        rid = entry.request_id
+        if self.redis.exists(names.cancelled_key(rid)):
+            self._ack(entry_id)
+            self.counters["requests_aborted"] += 1
+            return
+        if time.time() > entry.deadline:
+            self._fail(entry_id, entry, "timeout", "request deadline passed before a worker started it")
+            return
+        try:
+            prompt_ids = self._prompt_ids(entry)
+            room = self.engine.max_model_len - len(prompt_ids)
+            self.engine.add_request(rid, prompt_ids, to_sampling_params(entry, room))
+        except EngineRejected as exc:
+            self.counters["requests_rejected"] += 1
+            self._fail(entry_id, entry, "context_length_exceeded", str(exc))
+            return
+        except ValueError as exc:
+            self.counters["requests_rejected"] += 1
+            self._fail(entry_id, entry, "invalid_request", str(exc))
+            return
+        self.active[rid] = Active(entry_id, entry.reply_channel, entry.params.n, len(prompt_ids))
+        self.counters["requests_admitted"] += 1
+
+    def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
+        from worker.engine.tokenizer import encode_prompt, render_chat
+
+        if entry.prompt_token_ids is not None:
+            return list(entry.prompt_token_ids)
+        if entry.kind == "chat":
+            return render_chat(self.tokenizer, entry.messages or [])
+        return encode_prompt(self.tokenizer, entry.prompt or "")
+
+    def _fail(self, entry_id: bytes, entry: protocol.RequestEntry, code: str, message: str) -> None:
+        err = protocol.ErrorReply(request_id=entry.request_id, seq=1, code=code, message=message)
+        self.redis.publish(entry.reply_channel, protocol.encode(err))
+        self._ack(entry_id)
+
+    def _ack(self, entry_id: bytes) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(self.stream, names.CONSUMER_GROUP, entry_id)
+        pipe.xdel(self.stream, entry_id)
+        pipe.execute()
+
+    # -- replies ---------------------------------------------------------------------------
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        done: list[str] = []
+        for out in outputs:
+            act = self.active.get(out.request_id)
+            if act is None:  # aborted meanwhile
+                continue
+            act.completion_tokens[out.index] = out.num_output_tokens
+            delta = protocol.Delta(request_id=out.request_id, seq=act.next_seq(), index=out.index,
+                                   text=out.text, token_ids=out.new_token_ids,
+                                   logprobs=self._wire_logprobs(out),
+                                   finish_reason=out.finish_reason if out.finished else None)
+            pipe.publish(act.reply_channel, protocol.encode(delta))
+            if out.finished:
+                act.finished.add(out.index)
+                if len(act.finished) == act.n:
+                    done.append(out.request_id)
+        for rid in done:
+            act = self.active.pop(rid)
+            pipe.publish(act.reply_channel, protocol.encode(protocol.Done(
+                request_id=rid, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
+                completion_tokens=sum(act.completion_tokens.values()))))
+            pipe.xack(self.stream, names.CONSUMER_GROUP, act.entry_id)
+            pipe.xdel(self.stream, act.entry_id)
+            self.counters["requests_finished"] += 1
+        if outputs or done:
+            pipe.execute()
+
+    def _wire_logprobs(self, out: RequestOutput) -> list[dict] | None:
+        if not out.logprobs:
+            return None
+        def tok(token_id: int) -> str:
+            return self.tokenizer.decode([token_id])
+        return [{"token_id": lp.token_id, "token": tok(lp.token_id), "logprob": lp.logprob,
+                 "top": [[tok(t), v] for t, v in lp.top]} for lp in out.logprobs]
+
+    # -- cancellation ----------------------------------------------------------------------
+    def _cancel_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(names.CANCEL_CHANNEL)
+                while not self.stopping.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg and msg["type"] == "message":
+                        self.cancels.put(protocol.decode_cancel(msg["data"]).request_id)
+            except (redis.RedisError, protocol.ProtocolError, ValueError) as exc:
+                log.warning("cancel listener: %s; retrying", exc)
+                time.sleep(0.5)
+
+    def _apply_cancels(self) -> None:
+        while not self.cancels.empty():
+            rid = self.cancels.get_nowait()
+            act = self.active.pop(rid, None)
+            if act is None:
+                continue
+            self.engine.abort(rid)
+            self._ack(act.entry_id)
+            self.counters["requests_aborted"] += 1
+            log.info("aborted %s on cancel", rid)
+
+    # -- registry --------------------------------------------------------------------------
+    def _info(self) -> dict:
+        return {"worker_id": self.s.worker_id, "served_name": self.s.served_name,
+                "version": self.s.version, "engine": self.s.engine, "stream": self.stream,
+                "active": len(self.active), "stats": self.engine.stats(), **self.counters,
+                "ts": time.time()}
+
+    def _register_model(self) -> None:
+        self.redis.hset(names.model_versions_key(self.s.served_name), self.s.version,
+                        orjson.dumps({"model": self.s.model, "registered": time.time()}))
+
+    def _heartbeat_loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.heartbeat()
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            self.stopping.wait(self.s.heartbeat_s)
+
+    def heartbeat(self) -> None:
+        now = time.time()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(names.worker_key(self.s.worker_id), orjson.dumps(self._info()),
+                 ex=max(1, int(self.s.heartbeat_ttl_s)))
+        pipe.zadd(names.WORKERS_ZSET, {self.s.worker_id: now + self.s.heartbeat_ttl_s})
+        pipe.zremrangebyscore(names.WORKERS_ZSET, "-inf", now)
+        pipe.execute()
+
+    def _deregister(self) -> None:
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.delete(names.worker_key(self.s.worker_id))
+            pipe.zrem(names.WORKERS_ZSET, self.s.worker_id)
+            pipe.execute()
+        except redis.RedisError:
+            pass
