@@ -1,0 +1,168 @@
+"""The naive baseline engine: a plain transformers model, one choice at a time, FIFO.
+
+Benchmarks compare the paged engine against this, so it stays simple on purpose: no batching,
+no paging, no prefix cache; a DynamicCache per choice, dropped when the choice finishes.
+It shares the sampler, detokenizer and stop rules with the paged engine so outputs are comparable.
+"""
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.sampler import Sampler, SampleRow
+from worker.engine.stopping import check_finish
+from worker.engine.tokenizer import eos_token_ids, load_tokenizer
+from worker.engine.types import EngineRejected, RequestOutput, SamplingParams, TokenLogprob
+
+
+@dataclass
+class _Choice:
+    request_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    cache: object = None  # a DynamicCache once the prompt has run
+    detokenizer: IncrementalDetokenizer | None = None
+
+
+class HFEngine:
+    def __init__(self, model, tokenizer, eos_ids: set[int], max_model_len: int):
+        self.model = model.eval()
+        self._tokenizer = tokenizer
+        self._eos_token_ids = set(eos_ids)
+        self._max_model_len = max_model_len
+        self.sampler = Sampler(self._eos_token_ids)
+        self.waiting: deque[_Choice] = deque()
+        self.current: _Choice | None = None
+        self._aborted: list[RequestOutput] = []  # reported on the next step
+        # transformers 5.x renamed `past_key_values` to `cache`; accept either generation
+        forward_args = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto"
+    ) -> HFEngine:
+        """fp32 on CPU (half-precision matmuls there are slow and inexact); config dtype on CUDA."""
+        from transformers import AutoModelForCausalLM
+
+        if dtype == "auto" and torch.device(device).type == "cpu":
+            dtype = "float32"
+        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+        model = AutoModelForCausalLM.from_pretrained(
+            str(model_dir), dtype=torch_dtype, local_files_only=True
+        ).to(device)
+        tokenizer = load_tokenizer(model_dir)
+        max_len = model.config.max_position_embeddings
+        return cls(model, tokenizer, eos_token_ids(model_dir, tokenizer), max_len)
+
+    @property
+    def tokenizer(self):
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return self._eos_token_ids
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
+        if len(prompt_ids) + params.max_tokens > self._max_model_len:
+            raise EngineRejected(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context length of {self._max_model_len} tokens"
+            )
+        for index in range(params.n):
+            self.waiting.append(_Choice(request_id, index, list(prompt_ids), params))
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request's choices; each unfinished one reports finish_reason "abort" next step."""
+        dropped = [c for c in self.waiting if c.request_id == request_id]
+        self.waiting = deque(c for c in self.waiting if c.request_id != request_id)
+        if self.current is not None and self.current.request_id == request_id:
+            dropped.insert(0, self.current)
+            self.current = None
+        self._aborted += [self._output(c, [], "", "abort", None) for c in dropped]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.current or self.waiting or self._aborted)
+
+    def free_capacity(self) -> int:
+        return 0 if self.has_unfinished() else 1
+
+    def stats(self) -> dict:
+        return {
+            "num_running": int(self.current is not None), "num_waiting": len(self.waiting),
+            "kv_usage": 0.0, "prefix_cache_queries": 0, "prefix_cache_hits": 0, "num_preemptions": 0,
+        }
+
+    def step(self) -> list[RequestOutput]:
+        """One forward pass for the current choice (its prompt first, then one token at a time)."""
+        outputs, self._aborted = self._aborted, []
+        if self.current is None and self.waiting:
+            self.current = self._start(self.waiting.popleft())
+        if self.current is not None:
+            outputs.append(self._advance(self.current))
+        return outputs
+
+    def _start(self, choice: _Choice) -> _Choice:
+        from transformers import DynamicCache
+
+        choice.cache = DynamicCache(config=self.model.config)
+        params = choice.params
+        choice.detokenizer = IncrementalDetokenizer(
+            self._tokenizer, choice.prompt_ids, params.stop, params.include_stop_str_in_output
+        )
+        return choice
+
+    def _advance(self, choice: _Choice) -> RequestOutput:
+        logits = self._forward(choice)
+        row = SampleRow(choice.params, choice.prompt_ids, choice.output_ids, choice.index)
+        (token,), (logprob,) = self.sampler(logits, [row])
+        choice.output_ids.append(token)
+        reason = check_finish(token, len(choice.output_ids), choice.params, self._eos_token_ids)
+        text, reason = self._detokenize(choice, token, reason)
+        if reason is not None:
+            self.current = None
+        return self._output(choice, [token], text, reason, logprob)
+
+    @torch.inference_mode()
+    def _forward(self, choice: _Choice) -> torch.Tensor:
+        """Logits [1, V] for the next token; the cache carries everything before the new input."""
+        new_ids = choice.output_ids[-1:] if choice.output_ids else choice.prompt_ids
+        input_ids = torch.tensor([new_ids], device=self.model.device)
+        cache_kw = {self._cache_arg: choice.cache}  # the DynamicCache grows in place
+        out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kw)
+        return out.logits[:, -1, :]
+
+    @staticmethod
+    def _detokenize(choice: _Choice, token: int, reason: str | None) -> tuple[str, str | None]:
+        """A stop token's own text is left out unless asked for, as vLLM does; a stop string wins."""
+        detok = choice.detokenizer
+        if reason == "stop" and not choice.params.include_stop_str_in_output:
+            return detok.flush(), reason
+        text = detok.add([token])
+        if detok.stopped:
+            return text, "stop"
+        return (text + detok.flush(), reason) if reason else (text, None)
+
+    @staticmethod
+    def _output(
+        choice: _Choice, new_ids: list[int], text: str, reason: str | None, logprob: TokenLogprob | None
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=choice.request_id, index=choice.index, new_token_ids=new_ids, text=text,
+            finished=reason is not None, finish_reason=reason,
+            logprobs=[logprob] if logprob is not None else None,
+            num_prompt_tokens=len(choice.prompt_ids), num_output_tokens=len(choice.output_ids),
+        )
