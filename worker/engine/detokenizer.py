@@ -46,13 +46,16 @@ class IncrementalDetokenizer:
         """Text of tokens past read_offset, or "" while it still ends in half a character."""
         prefix_text = self._decode(self.prefix_offset, self.read_offset)
         full_text = self._decode(self.prefix_offset, len(self.ids))
-        if len(full_text) <= len(prefix_text) or (full_text.endswith(REPLACEMENT_CHAR) and not final):
+        incomplete = full_text.endswith(REPLACEMENT_CHAR) and not final
+        if len(full_text) <= len(prefix_text) or incomplete:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full_text[len(prefix_text):]
 
     def _decode(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True)
+        """No space clean-up: it could join text across window edges differently each step."""
+        ids = self.ids[start:end]
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _release(self, final: bool) -> str:
         """Cut at the first stop string if one matched, else keep back a possible stop prefix."""

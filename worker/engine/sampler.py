@@ -73,8 +73,8 @@ class Sampler:
             r_idx += [r] * len(banned)
             t_idx += banned
         if r_idx:
-            at = (torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device))
-            logits[at] = float("-inf")
+            dev = logits.device
+            logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -89,7 +89,8 @@ class Sampler:
         vocab = probs.shape[1]
         for r, row in enumerate(rows):
             if row.params.seed is not None:
-                g = torch.Generator().manual_seed(draw_key(row.params.seed, row.choice_index, row.step))
+                key = draw_key(row.params.seed, row.choice_index, row.step)
+                g = torch.Generator().manual_seed(key)
                 q[r] = torch.empty(vocab).exponential_(generator=g).to(probs.device)
         return q.clamp_min_(1e-20)
 
@@ -104,9 +105,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     """Repetition (HF, over prompt + output), then frequency and presence (OpenAI, over output)."""
     rep = [row.params.repetition_penalty for row in rows]
     if any(p != 1.0 for p in rep):
-        seen = _token_counts(
-            [row.prompt_ids + row.output_ids if p != 1.0 else [] for row, p in zip(rows, rep)], logits
-        ) > 0
+        ids = [row.prompt_ids + row.output_ids if p != 1.0 else [] for row, p in zip(rows, rep)]
+        seen = _token_counts(ids, logits) > 0
         penalty = torch.tensor(rep, device=logits.device).unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits = torch.where(seen, penalised, logits)
@@ -124,7 +124,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 def _token_counts(id_lists: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
     """[B, V] occurrence counts of each row's ids."""
     counts = torch.zeros_like(logits)
-    rows = torch.cat([torch.full((len(ids),), r, dtype=torch.long) for r, ids in enumerate(id_lists)])
+    rows = torch.cat([torch.full((len(ids),), r) for r, ids in enumerate(id_lists)]).long()
     cols = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long)
     if cols.numel():
         ones = torch.ones(cols.numel(), device=logits.device)
@@ -142,7 +142,8 @@ def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     min_ps = [row.params.min_p for row in rows]
     if any(m > 0.0 for m in min_ps):
         probs = torch.softmax(logits, dim=-1)
-        floor = torch.tensor(min_ps, device=logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+        scale = torch.tensor(min_ps, device=logits.device).unsqueeze(1)
+        floor = scale * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
