@@ -175,6 +175,8 @@ async def _sse(handle: Handle, shape: _Shape, include_usage: bool, keepalive_s: 
                 if reply is KEEPALIVE:
                     yield b": keep-alive\n\n"
                 elif isinstance(reply, protocol.Delta):
+                    if not (reply.text or reply.finish_reason or reply.logprobs):
+                        continue  # text held back by the detokenizer: nothing to show yet
                     yield _event(shape.chunk([shape.delta_choice(reply)]))
                 elif isinstance(reply, protocol.Done) and include_usage:
                     yield _event(shape.chunk([], usage=_usage(reply)))

@@ -24,7 +24,7 @@ class _Sampling(BaseModel):
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, list[str], None] = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
