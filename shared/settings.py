@@ -23,7 +23,6 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
-    worker_ttl_s: float = Field(10.0, description="A worker whose heartbeat is older is not live")
 
 
 class WorkerSettings(CommonSettings):
