@@ -25,13 +25,14 @@ def demo_model(directory: str) -> None:
 @main.command()
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Local Hugging Face model folder")
-@click.option("--served-name", default="demo", show_default=True)
-@click.option("--version", "version_", default="v1", show_default=True)
-@click.option("--engine", type=click.Choice(["paged", "hf"]), default="paged", show_default=True)
+@click.option("--served-name", envvar="KVGATE_SERVED_NAME", default="demo", show_default=True)
+@click.option("--version", "version_", envvar="KVGATE_VERSION", default="v1", show_default=True)
+@click.option("--engine", type=click.Choice(["paged", "hf"]), envvar="KVGATE_ENGINE", default="paged",
+              show_default=True)
 @click.option("--redis-url", envvar="KVGATE_REDIS_URL", default="redis://127.0.0.1:6379/0",
               show_default=True)
-@click.option("--device", default="auto", show_default=True)
-@click.option("--dtype", default="auto", show_default=True)
+@click.option("--device", default=None, help="cpu, cuda or auto [default: auto]")
+@click.option("--dtype", default=None, help="float32, bfloat16, float16 or auto [default: auto]")
 @click.option("--max-num-seqs", type=int, default=None)
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--max-model-len", type=int, default=None)
