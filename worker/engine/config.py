@@ -1,0 +1,35 @@
+"""Everything the paged engine is sized by, in one dataclass (the worker fills it from its settings)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class EngineConfig:
+    model_dir: str
+    device: str = "auto"  # cpu, cuda, cuda:N or auto
+    dtype: str = "auto"  # float32, bfloat16, float16 or auto (fp32 on CPU, the config's on GPU)
+    block_size: int = 16  # tokens per KV block
+    kv_cache_memory: int = 512 << 20  # KV bytes on CPU
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole process may use
+    max_num_seqs: int = 64  # cap on running sequences
+    max_num_batched_tokens: int = 2048  # token budget per step
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"  # auto, torch or triton
+    num_blocks: int | None = None  # overrides the memory budget (tests)
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self, config_dtype: str | None) -> torch.dtype:
+        """Half-precision matmuls on CPU are slow and inexact, so `auto` means fp32 there."""
+        name = self.dtype
+        if name == "auto":
+            on_cpu = self.torch_device().type == "cpu"
+            name = "float32" if on_cpu or not config_dtype else config_dtype
+        return getattr(torch, name)

@@ -1,0 +1,62 @@
+"""Offline batch API: `LLM(model_dir).generate(prompts, params)` runs everything to completion."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from worker.engine.engine import LLMEngine
+from worker.engine.tokenizer import encode_prompt
+from worker.engine.types import SamplingParams, TokenLogprob
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationResult:
+    prompt_token_ids: list[int]
+    outputs: list[Completion]  # one per choice (n)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    def __init__(self, model_dir: str | Path, **config_overrides):
+        self.engine = LLMEngine.from_model_dir(model_dir, **config_overrides)
+
+    def generate(self, prompts: list[str] | list[list[int]],
+                 params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:
+        """All prompts are submitted at once (continuous batching); results come back in prompt order."""
+        params = params or SamplingParams()
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        results = {}
+        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+            ids = encode_prompt(self.engine.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+            results[str(i)] = GenerationResult(ids, [Completion(j) for j in range(p.n)])
+            self.engine.add_request(str(i), ids, p)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                choice = results[out.request_id].outputs[out.index]
+                choice.token_ids += out.new_token_ids
+                choice.text += out.text
+                if out.logprobs is not None:
+                    choice.logprobs = (choice.logprobs or []) + out.logprobs
+                if out.finished:
+                    choice.finish_reason = out.finish_reason
+        return [results[str(i)] for i in range(len(prompts))]

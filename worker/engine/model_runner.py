@@ -1,0 +1,117 @@
+"""Owns the model, the paged KV cache and the sampler; runs one flattened batch per step."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from worker.engine.attention import AttentionMetadata
+from worker.engine.config import EngineConfig
+from worker.engine.sampler import Sampler, SampleRow
+from worker.engine.scheduler import ScheduledBatch
+from worker.engine.sequence import Sequence
+from worker.engine.types import TokenLogprob
+from worker.models.loader import ModelConfig, load_model
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [T] the new tokens of every scheduled sequence, end to end
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # batch rows whose chunk reaches the end of their tokens
+    sample_tokens: torch.Tensor  # [len(sample_rows)] where those rows' last tokens sit in the batch
+
+
+def make_backend(name: str, device: torch.device):
+    """`auto` takes Triton on CUDA when it is importable, else the torch reference."""
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        try:
+            from worker.engine.triton_attention import TritonAttention
+        except ImportError:
+            if name == "triton":
+                raise
+        else:
+            return TritonAttention()
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
+    from worker.engine.torch_attention import TorchAttention
+
+    return TorchAttention()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int]):
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype(model_cfg.dtype)
+        self.block_size = config.block_size
+        self.backend = make_backend(config.attention_backend, self.device)
+        self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend)
+        self.num_blocks = config.num_blocks or self._blocks_from_budget(config, model_cfg)
+        if self.num_blocks < 1:
+            raise ValueError(f"the KV budget leaves no room for a single block of {self.block_size} tokens")
+        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(model_cfg.num_layers)
+        ]
+        self.sampler = Sampler(eos_token_ids)
+
+    def _block_bytes(self, cfg: ModelConfig) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _blocks_from_budget(self, config: EngineConfig, cfg: ModelConfig) -> int:
+        """CPU: the byte budget. CUDA: the utilisation share of the card, minus what is in use and
+        a reserve for one step's activations (weights are loaded by now)."""
+        if self.device.type != "cuda":
+            return config.kv_cache_memory // self._block_bytes(cfg)
+        free, total = torch.cuda.mem_get_info(self.device)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        width = 8 * cfg.hidden_size + 4 * cfg.intermediate_size + 3 * cfg.num_heads * cfg.head_dim
+        activations = config.max_num_batched_tokens * width * elem + 4 * config.max_num_seqs * cfg.vocab_size * 4
+        budget = config.gpu_memory_utilization * total - (total - free) - activations
+        return max(int(budget) // self._block_bytes(cfg), 0)
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Forward the batch; sample one token for each sequence whose chunk reached its end."""
+        inputs = self._prepare(batch)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sample_rows:
+            return []  # only partial prefill chunks: nothing to sample yet
+        logits = self.model.compute_logits(hidden[inputs.sample_tokens])
+        seqs = [batch[r][0] for r in inputs.sample_rows]
+        rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.index) for s in seqs]
+        tokens, logprobs = self.sampler(logits, rows)
+        return list(zip(seqs, tokens, logprobs))
+
+    def _prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        bs = self.block_size
+        starts = [seq.num_computed_tokens for seq, _ in batch]
+        query_lens = [n for _, n in batch]
+        seq_lens = [s + n for s, n in zip(starts, query_lens)]
+        input_ids = [t for (seq, n), s in zip(batch, starts) for t in seq.tokens(s, s + n)]
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch],
+                              dtype=torch.int32)
+        q_lens = torch.tensor(query_lens)
+        query_start = torch.zeros(len(batch) + 1, dtype=torch.int32)
+        query_start[1:] = q_lens.cumsum(0)
+        row = torch.repeat_interleave(torch.arange(len(batch)), q_lens)
+        offsets = torch.tensor(starts) - query_start[:-1]
+        positions = torch.arange(len(input_ids)) + offsets[row]
+        slots = tables[row, positions // bs].long() * bs + positions % bs
+        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens]
+        to = dict(device=self.device, non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(**to), query_start_loc=query_start.to(**to),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(**to), block_tables=tables.to(**to),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+        )
+        sample_tokens = query_start[1:][sample_rows] - 1
+        return BatchInputs(torch.tensor(input_ids).to(**to), positions.to(**to), meta, sample_rows,
+                           sample_tokens.long().to(**to))

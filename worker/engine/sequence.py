@@ -1,0 +1,61 @@
+"""One choice of one request: its tokens, how many of them the KV cache holds, and its blocks."""
+from __future__ import annotations
+
+import itertools
+from enum import Enum
+
+from worker.engine.types import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    _arrivals = itertools.count()
+
+    def __init__(self, request_id: str, index: int, prompt_ids: list[int], params: SamplingParams):
+        self.seq_id = next(Sequence._arrivals)  # also the arrival order: smaller is older
+        self.request_id = request_id
+        self.index = index  # choice index within the request
+        self.params = params
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        # v1 model: no prefill or decode phase, just how far the cache is behind the tokens.
+        self.num_computed_tokens = 0
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of prompt + output
+        self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
+        self.detokenizer = None  # set by the engine
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def priority_key(self) -> tuple[int, int]:
+        """Served in ascending order; preempted from the end (lowest priority, then newest)."""
+        return self.params.priority, self.seq_id
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without copying the whole sequence."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        head = self.prompt_ids[start:] if start < p else []
+        return head + self.output_ids[max(start - p, 0):end - p]
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)

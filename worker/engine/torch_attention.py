@@ -1,0 +1,86 @@
+"""The reference attention backend: plain torch, reading K/V from the paged cache via block tables.
+
+Decode rows (one new token each) are served together: one gather of all their blocks into a
+reused workspace, then one masked SDPA over [B, max_len]. Rows with several new tokens (prefill
+chunks) go one by one, causal within the chunk and over everything cached before it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from worker.engine.attention import AttentionMetadata
+
+
+class TorchAttention:
+    name = "torch"
+
+    def __init__(self):
+        self._workspace: dict[str, torch.Tensor] = {}
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        heads, dim = k_cache.shape[2:]
+        k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key)
+        v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value)
+
+    def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.is_decode_only:
+            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+        out = torch.empty_like(query)
+        starts = meta.query_start_loc.tolist()
+        decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=query.device)
+            tokens = torch.tensor([starts[b] for b in decode_rows], device=query.device)
+            out[tokens] = self._decode(query[tokens], k_cache, v_cache, meta.block_tables[rows],
+                                       meta.seq_lens[rows], scale)
+        for b, (n, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if n > 1:
+                q = query[starts[b]:starts[b] + n]
+                out[starts[b]:starts[b] + n] = self._prefill(q, k_cache, v_cache, meta.block_tables[b],
+                                                             seq_len, scale)
+        return out
+
+    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+        """query [B, Hq, D] -> [B, Hq, D]; GQA groups ride along as extra query rows per KV head."""
+        batch, num_heads, dim = query.shape
+        block_size, kv_heads = k_cache.shape[1:3]
+        max_len = int(seq_lens.max())
+        ids = block_tables[:, :-(-max_len // block_size)].reshape(-1)
+        length = ids.numel() * block_size // batch
+        k = self._gather("k", k_cache, ids).view(batch, length, kv_heads, dim).transpose(1, 2)
+        v = self._gather("v", v_cache, ids).view(batch, length, kv_heads, dim).transpose(1, 2)
+        mask = torch.arange(length, device=query.device) < seq_lens.unsqueeze(1)
+        q = query.view(batch, kv_heads, num_heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        return out.reshape(batch, num_heads, dim)
+
+    def _gather(self, name: str, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """index_select into a kept buffer: fresh tensors this large would be page-faulted in each time."""
+        shape = (ids.numel(), *cache.shape[1:])
+        numel = shape[0] * cache[0].numel()
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < numel or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
+                              dtype=cache.dtype, device=cache.device)
+            self._workspace[name] = buf
+        return torch.index_select(cache, 0, ids, out=buf[:numel].view(shape))
+
+    @staticmethod
+    def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
+        """query [n, Hq, D], the last n of seq_len positions; causal over the cached context."""
+        n, num_heads, dim = query.shape
+        block_size, kv_heads = k_cache.shape[1:3]
+        ids = block_table[:-(-seq_len // block_size)]
+        k = k_cache.index_select(0, ids).view(-1, kv_heads, dim)[:seq_len].transpose(0, 1)
+        v = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[:seq_len].transpose(0, 1)
+        q = query.transpose(0, 1)
+        if n == seq_len:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            pos = torch.arange(seq_len - n, seq_len, device=query.device)
+            mask = torch.arange(seq_len, device=query.device) <= pos.unsqueeze(1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)

@@ -1,0 +1,154 @@
+"""Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family.
+
+Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
+one matmul each (fewer, larger GEMMs); `checkpoint_names` says where each fused part comes from.
+Every op mirrors transformers' order of operations so fp32 greedy outputs match it token for token.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.engine.attention import AttentionMetadata
+from worker.models.loader import ModelConfig
+
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies, with linear or llama3 (band-wise smoothed) context extension."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind == "default":
+        return inv
+    if kind == "linear":
+        return inv / scaling["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_type {kind!r}: default, linear or llama3")
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = cfg.head_dim ** -0.5
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg, backend)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.inv_freq: torch.Tensor | None = None
+
+    def init_rope(self, device: torch.device) -> None:
+        """Kept out of the state dict: it is derived from the config, not loaded."""
+        cfg = self.cfg
+        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the flattened batch."""
+        h = self.model.embed_tokens(input_ids)
+        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(h.dtype).unsqueeze(1), emb.sin().to(h.dtype).unsqueeze(1)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    @staticmethod
+    def checkpoint_names(name: str) -> list[str]:
+        """The checkpoint tensors a (possibly fused) parameter is the concatenation of."""
+        for fused, parts in _FUSED.items():
+            if f".{fused}." in name:
+                return [name.replace(fused, part) for part in parts]
+        return [name]
