@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from worker.kernels import extend_attention
+
+CASES = {
+    # name: (seq_lens, query_lens); block size 4
+    "prefill_ragged": ([1, 4, 7, 16, 19], [1, 4, 7, 16, 19]),
+    "cached_prefix": ([9, 12, 21], [3, 4, 9]),  # contexts 6, 8 (a block boundary) and 12
+    "chunk_with_decode_rows": ([13, 1, 8, 30], [1, 1, 5, 1]),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("block_m", [16, 64])  # 16: several query tiles per sequence
+def test_matches_reference(device, paged_batch, reference, case, block_m):
+    seq_lens, query_lens = CASES[case]
+    batch = paged_batch(seq_lens, query_lens, q_heads=4, kv_heads=2, device=device)
+    meta = batch.meta
+    got = extend_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables,
+                           meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.25,
+                           block_m=block_m, block_n=16)
+    want = reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_odd_group_and_head_dim(device, paged_batch, reference):
+    # 6 query heads on 2 kv heads (group 3, padded to 4), head_dim 24 (padded to 32)
+    batch = paged_batch([11, 5], [6, 5], q_heads=6, kv_heads=2, head_dim=24, block_size=8,
+                       device=device)
+    meta = batch.meta
+    got = extend_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables,
+                           meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.2,
+                           block_m=16, block_n=16)
+    want = reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,153 @@
+"""Kernel 2: decode attention (one new token per sequence) over the paged KV cache.
+
+Flash-decoding: each sequence's context is cut into NUM_SPLITS equal parts, one program per
+(sequence, kv head, split) computes a partial softmax over its part for all query heads that share
+the kv head (GQA), and a second kernel merges the partials by their log-sum-exp. A sequence's split
+length is computed in the kernel from its own length, so ragged batches stay balanced and the grid
+depends only on tensor shapes (a captured CUDA graph stays valid for any lengths).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+EMPTY_LSE = tl.constexpr(-1.0e30)  # log-sum-exp of a split that saw no keys: weight 0 in the merge, never NaN
+
+
+@triton.jit
+def _decode_partial_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt,
+    stride_pot, stride_poh, stride_pos,
+    stride_plt, stride_plh,
+    PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    KV_GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_H)
+    heads = kv_head * KV_GROUP + offs_g
+    mask_h = offs_g < KV_GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=mask_h[:, None] & mask_d[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_H], EMPTY_LSE, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
+        in_block = offs_n % PAGE_SIZE
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
+                    + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                    + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), EMPTY_LSE)
+    tl.store(part_out_ptr + seq * stride_pot + heads[:, None] * stride_poh + split * stride_pos
+             + offs_d[None, :], out, mask=mask_h[:, None] & mask_d[None, :])
+    tl.store(part_lse_ptr + seq * stride_plt + heads * stride_plh + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_pot, stride_poh, stride_pos,
+    stride_plt, stride_plh,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    mask_s = offs_s < NUM_SPLITS
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + seq * stride_plt + head * stride_plh + offs_s,
+                  mask=mask_s, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    parts = tl.load(part_out_ptr + seq * stride_pot + head * stride_poh
+                    + offs_s[:, None] * stride_pos + offs_d[None, :],
+                    mask=mask_s[:, None] & mask_d[None, :], other=0.0)
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=mask_d)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                     num_kv_splits: int = 1, block_n: int = 64,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence (query [B, Hq, D]) over its paged context.
+
+    seq_lens[b] counts the whole context including the new token, whose K/V are already written.
+    A sequence of length 0 (a padding row) gets zeros.
+    """
+    num_seqs, q_heads, head_dim = query.shape
+    kv_heads = k_cache.shape[2]
+    assert q_heads % kv_heads == 0, "query heads must be a multiple of kv heads"
+    assert query.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+    kv_group = q_heads // kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
+    part_out = torch.empty((num_seqs, q_heads, num_kv_splits, head_dim), dtype=torch.float32,
+                           device=query.device)
+    part_lse = torch.empty((num_seqs, q_heads, num_kv_splits), dtype=torch.float32,
+                           device=query.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_partial_kernel[(num_seqs, kv_heads, num_kv_splits)](
+        query, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
+        scale * LOG2E,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
+        KV_GROUP=kv_group, NUM_SPLITS=num_kv_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs M >= 16
+        BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=4, num_stages=2,
+    )
+    _decode_merge_kernel[(num_seqs, q_heads)](
+        part_out, part_lse, out,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        num_warps=4 if block_d >= 128 else 2,
+    )
+    return out
