@@ -23,7 +23,7 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: any count is correct
 
 
-class TritonAttention:
+class TritonAttentionBackend:
     """Decode-only steps use the split-K decode kernel; any step with a prefill row uses extend.
 
     Both read every key from the cache, so write_kv must run before attend in each layer. The decode

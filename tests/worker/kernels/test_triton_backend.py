@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from worker.engine.attention import AttentionMetadata
-from worker.engine.triton_attention import TritonAttention, num_kv_splits
+from worker.engine.triton_attention import TritonAttentionBackend, num_kv_splits
 
 
 def _run_step(backend, batch, scale: float) -> torch.Tensor:
@@ -21,7 +21,7 @@ def _run_step(backend, batch, scale: float) -> torch.Tensor:
 ])
 def test_write_then_attend_matches_reference(device, paged_batch, reference, seq_lens, query_lens):
     batch = paged_batch(seq_lens, query_lens, device=device)
-    got = _run_step(TritonAttention(kv_splits=2), batch, 0.25)
+    got = _run_step(TritonAttentionBackend(kv_splits=2), batch, 0.25)
     want = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -32,7 +32,7 @@ def test_agrees_with_the_torch_backend(device, paged_batch):
                if isinstance(v, type) and getattr(v, "name", None) == "torch")
     for seq_lens, query_lens in (([5, 17], [1, 1]), ([10, 6], [3, 6])):
         batch = paged_batch(seq_lens, query_lens, device=device)
-        got = _run_step(TritonAttention(), batch, 0.3)
+        got = _run_step(TritonAttentionBackend(), batch, 0.3)
         want = _run_step(cls(), batch, 0.3)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -44,6 +44,6 @@ def test_split_count_fills_the_gpu_but_not_for_short_contexts():
 
 
 def test_is_an_attention_backend():
-    backend = TritonAttention()
+    backend = TritonAttentionBackend()
     assert backend.name == "triton"
     assert isinstance(AttentionMetadata, type)
