@@ -9,17 +9,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway import errors
+from gateway.admin_api import router as admin_router
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.dispatch import Dispatcher
+from gateway.keystore import KeyStore
+from gateway.limits import Limits
 from gateway.openai_api import router as openai_router
+from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.registry import Registry
+from gateway.usage import UsageBook
 from shared.settings import GatewaySettings
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     settings = settings or GatewaySettings()
-    if not settings.api_key:
-        raise SystemExit("kvgate gateway: set KVGATE_API_KEY (or --api-key); every /v1 route needs it")
+    if settings.secret is None:
+        raise SystemExit("kvgate gateway: set KVGATE_SECRET, the server secret keys are HMAC-ed with")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -27,6 +32,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                                          socket_timeout=5, health_check_interval=10)
         app.state.redis = client
         app.state.registry = Registry(client)
+        app.state.keystore = KeyStore(client, settings.secret.get_secret_value())
+        app.state.limits = Limits(client, settings)
+        app.state.usage = UsageBook(client, settings.usage_retention_days)
         app.state.dispatcher = Dispatcher(client, settings.gateway_id)
         await app.state.dispatcher.start()
         yield
@@ -38,8 +46,10 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.state.settings = settings
     errors.install(app)
     app.include_router(openai_router)
+    app.include_router(admin_router)
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"])
     app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
+    app.add_middleware(RateLimitHeaders)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return app

@@ -1,11 +1,12 @@
-"""Bearer-key authentication for every /v1 route (one key from settings until governance lands)."""
+"""Who is calling: the bearer key, looked up by its HMAC digest (or one of the settings' bootstrap keys)."""
 from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
+from fastapi import Depends, Request
 
-from shared.errors import AuthenticationFailed
+from gateway.keys import KeyRecord, bootstrap_record
+from shared.errors import AuthenticationFailed, PermissionDenied
 
 
 def bearer_token(request: Request) -> str | None:
@@ -16,10 +17,31 @@ def bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
-async def require_key(request: Request) -> None:
+def _bootstrap(settings, token: str) -> KeyRecord | None:
+    """The dev key and the admin key from settings, compared in constant time."""
+    for secret, key_id, role in ((settings.admin_key, "admin", "admin"), (settings.api_key, "dev", "user")):
+        if secret is not None and hmac.compare_digest(token.encode(), secret.get_secret_value().encode()):
+            return bootstrap_record(key_id, role)
+    return None
+
+
+async def authenticate(request: Request) -> KeyRecord:
+    """The caller's key record, or 401 (missing, unknown, revoked or expired key)."""
     token = bearer_token(request)
     if token is None:
         raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'")
-    expected = request.app.state.settings.api_key or ""
-    if not expected or not hmac.compare_digest(token.encode(), expected.encode()):
+    state = request.app.state
+    record = _bootstrap(state.settings, token) or await state.keystore.lookup(token)
+    if record is None:
         raise AuthenticationFailed("Incorrect API key provided")
+    if (why := record.refusal()) is not None:
+        raise AuthenticationFailed(why, code="key_revoked" if record.status == "revoked" else "key_expired")
+    request.state.key = record
+    return record
+
+
+async def require_admin(key: KeyRecord = Depends(authenticate)) -> KeyRecord:
+    """/admin is for admin keys only: the settings' admin key or a record with role admin."""
+    if key.role != "admin":
+        raise PermissionDenied("This route needs an admin key", code="admin_key_required")
+    return key

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import redis
 
@@ -16,9 +17,9 @@ log = logging.getLogger("kvgate.gateway")
 
 
 def error_response(exc: KvgateError) -> JSONResponse:
-    headers = {}
+    headers = dict(getattr(exc, "headers", None) or {})
     if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, int(round(exc.retry_after))))
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
 
 

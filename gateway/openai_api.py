@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes. One function per hop: validate → route → dispatch → respond."""
+"""The OpenAI-compatible routes. One function per hop: admit (key, rpm, slot; a dependency) →
+check the key may use the model → route → check the context → reserve tokens → dispatch → respond."""
 from __future__ import annotations
 
 import secrets
@@ -10,13 +11,15 @@ import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from gateway.auth import require_key
+from gateway import estimate
+from gateway.admission import Lease, admit, set_ratelimit_headers
 from gateway.dispatch import KEEPALIVE, Handle
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.validation import check_context, check_model_allowed
 from shared import names, protocol
 from shared.errors import KvgateError, NotFound
 
-router = APIRouter(prefix="/v1", dependencies=[Depends(require_key)], tags=["openai"])
+router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
@@ -35,37 +38,50 @@ async def get_model(model_id: str, request: Request) -> dict:
 
 
 @router.post("/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, request: Request):
+async def chat_completions(body: ChatCompletionRequest, request: Request,
+                           lease: Lease = Depends(admit)):
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(request, body, "chat", dict(messages=messages), logprobs)
+    return await _serve(request, lease, body, "chat", dict(messages=messages), logprobs)
 
 
 @router.post("/completions")
-async def completions(body: CompletionRequest, request: Request):
+async def completions(body: CompletionRequest, request: Request, lease: Lease = Depends(admit)):
     prompt = dict(prompt_token_ids=body.prompt) if isinstance(body.prompt, list) else dict(prompt=body.prompt)
-    return await _serve(request, body, "completion", prompt, body.logprobs)
+    return await _serve(request, lease, body, "completion", prompt, body.logprobs)
 
 
-async def _serve(request: Request, body, kind: str, prompt: dict, logprobs: int | None):
+async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, logprobs: int | None):
     state = request.app.state
+    check_model_allowed(lease.key, body.model)
     version = await state.registry.route(body.model)
-    entry = _entry(request, body, kind, version, prompt, logprobs)
+    check_context(await state.registry.max_model_len(body.model, version), body.limit(), prompt)
+    await _reserve_tokens(request, lease, body, prompt)
+    entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version), entry)
+    lease.model, lease.version = body.model, version
     headers = {"x-kvgate-version": version, "x-request-id": entry.request_id}
     shape = _Shape(kind, entry.request_id, body.model, body.n)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _sse(handle, shape, usage, state.settings.keepalive_s)
+        gen = _sse(handle, shape, lease, usage, state.settings.keepalive_s)
         return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
         result = await _collect(handle, shape, state.settings.keepalive_s)
     finally:
         handle.close("client_gone")
+    lease.usage = result["usage"]
     return JSONResponse(result, headers=headers)
 
 
-def _entry(request: Request, body, kind: str, version: str, prompt: dict,
+async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict) -> None:
+    """Tokens per minute and per day: charge the estimate now; admission's teardown settles it."""
+    tokens = estimate.request_tokens(prompt, body.limit(), body.n)
+    lease.reservation, headers = await request.app.state.limits.reserve_tokens(lease.key, tokens)
+    set_ratelimit_headers(request, headers)
+
+
+def _entry(request: Request, lease: Lease, body, kind: str, version: str, prompt: dict,
            logprobs: int | None) -> protocol.RequestEntry:
     settings = request.app.state.settings
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
@@ -80,7 +96,8 @@ def _entry(request: Request, body, kind: str, version: str, prompt: dict,
     return protocol.RequestEntry(
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=request.app.state.dispatcher.channel,
         model=body.model, version=version, kind=kind, params=params, created=now,
-        deadline=now + settings.request_timeout_s, priority=body.priority, **prompt)
+        deadline=now + settings.request_timeout_s, priority=body.priority, key_id=lease.key.id,
+        cache_salt=lease.key.id if lease.key.cache_isolation else None, **prompt)
 
 
 class _Shape:
@@ -165,7 +182,8 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(handle: Handle, shape: _Shape, include_usage: bool, keepalive_s: float) -> AsyncIterator[bytes]:
+async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
+               keepalive_s: float) -> AsyncIterator[bytes]:
     """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
     try:
         if shape.kind == "chat":
@@ -178,8 +196,10 @@ async def _sse(handle: Handle, shape: _Shape, include_usage: bool, keepalive_s: 
                     if not (reply.text or reply.finish_reason or reply.logprobs):
                         continue  # text held back by the detokenizer: nothing to show yet
                     yield _event(shape.chunk([shape.delta_choice(reply)]))
-                elif isinstance(reply, protocol.Done) and include_usage:
-                    yield _event(shape.chunk([], usage=_usage(reply)))
+                elif isinstance(reply, protocol.Done):
+                    lease.usage = _usage(reply)
+                    if include_usage:
+                        yield _event(shape.chunk([], usage=lease.usage))
         except KvgateError as exc:
             yield _event(exc.to_openai())
         yield b"data: [DONE]\n\n"

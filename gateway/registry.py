@@ -41,3 +41,10 @@ class Registry:
             raise NotFound(f"The model '{served_name}' does not exist", param="model")
         raise Overloaded(f"No live worker serves '{served_name}' right now; retry shortly",
                          param="model", retry_after=2)
+
+    async def max_model_len(self, served_name: str, version: str) -> int | None:
+        """The smallest context among the live workers of (name, version); None if none says."""
+        lens = [w["max_model_len"] for w in await self.live_workers()
+                if w["served_name"] == served_name and w["version"] == version
+                and w.get("max_model_len")]
+        return min(lens) if lens else None

@@ -60,13 +60,14 @@ def worker(model, served_name, version_, engine, redis_url, no_prefix_caching, *
               show_default=True)
 @click.option("--workers", type=int, default=1, show_default=True, help="Gateway processes")
 def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
-    """Run the gateway (the bearer key comes from KVGATE_API_KEY, never the command line)."""
+    """Run the gateway (secrets come from KVGATE_SECRET, KVGATE_ADMIN_KEY, KVGATE_API_KEY, never
+    the command line)."""
     import uvicorn
 
     os.environ["KVGATE_REDIS_URL"] = redis_url
     os.environ["KVGATE_HOST"], os.environ["KVGATE_PORT"] = host, str(port)
-    if not os.environ.get("KVGATE_API_KEY"):
-        raise click.UsageError("set KVGATE_API_KEY: every /v1 route requires it")
+    if not os.environ.get("KVGATE_SECRET"):
+        raise click.UsageError("set KVGATE_SECRET: the server secret API keys are HMAC-ed with")
     uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
                 workers=workers, log_level="warning", timeout_graceful_shutdown=10)
 
@@ -101,3 +102,9 @@ def bench_engine(quick: bool, out: str) -> None:
     from worker.engine.bench import run_bench
 
     run_bench(quick=quick, out_json=out)
+
+
+from kvgate.admin_cli import keys, usage  # noqa: E402  (commands that talk to the admin API)
+
+main.add_command(keys)
+main.add_command(usage)

@@ -102,16 +102,18 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir) ->
     try:
         stack.redis = RedisServer(port=redis_port, data_dir=state / "redis").start()
         key = "sk-kvg-dev-" + secrets.token_urlsafe(24)
+        admin_key = "sk-kvg-admin-" + secrets.token_urlsafe(24)
         env = {**os.environ, "KVGATE_REDIS_URL": stack.redis.url}
         stack.spawn("worker", ["worker", "--model", str(model_dir), "--served-name", served_name,
                                "--version", version_, "--engine", engine,
                                "--redis-url", stack.redis.url], env)
         stack.spawn("gateway", ["gateway", "--port", str(port), "--redis-url", stack.redis.url],
-                    {**env, "KVGATE_API_KEY": key})
+                    {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
+                     "KVGATE_SECRET": server_secret(state)})
         url = f"http://127.0.0.1:{port}"
         wait_ready(stack, url, key, served_name)
-        _write_state(state, url, stack.redis.url, key, model_dir)
-        _announce(url, key, served_name)
+        _write_state(state, url, stack.redis.url, key, admin_key, model_dir)
+        _announce(url, key, served_name, state)
         while not stopping:
             if (why := stack.dead_child()) is not None:
                 print(f"kvgate up: {why}; stopping", file=sys.stderr)
@@ -126,16 +128,30 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir) ->
         stack.stop()
 
 
-def _write_state(state: Path, url: str, redis_url: str, key: str, model_dir: Path) -> None:
+def server_secret(state: Path) -> str:
+    """KVGATE_SECRET if set; else one generated once and kept in the state folder, so the keys in
+    Redis (which lives there too) stay valid across restarts."""
+    if os.environ.get("KVGATE_SECRET"):
+        return os.environ["KVGATE_SECRET"]
+    path = state / "server.secret"
+    if not path.exists():
+        write_secret(path, secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
+def _write_state(state: Path, url: str, redis_url: str, key: str, admin_key: str,
+                 model_dir: Path) -> None:
     (state / "gateway.url").write_text(url + "\n")
     (state / "redis.url").write_text(redis_url + "\n")
     (state / "model.dir").write_text(str(model_dir) + "\n")
-    write_secret(state / "dev.key", key)
+    write_secret(state / "admin.key", admin_key)
+    write_secret(state / "dev.key", key)  # last: scripts wait for it
 
 
-def _announce(url: str, key: str, served_name: str) -> None:
+def _announce(url: str, key: str, served_name: str, state: Path) -> None:
     print(f"kvgate is up at {url}  (model '{served_name}')")
     print(f"dev key: {key}")
+    print(f"admin key: in {state / 'admin.key'} (for `kvgate keys ...` and /admin)")
     print("try:")
     print(f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"{served_name}\", \"stream\": true, "

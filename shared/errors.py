@@ -43,6 +43,10 @@ class NotFound(KvgateError):
     status, type, code = 404, "invalid_request_error", "model_not_found"
 
 
+class Conflict(KvgateError):
+    status, type, code = 409, "invalid_request_error", "conflict"
+
+
 class PayloadTooLarge(KvgateError):
     status, type, code = 413, "invalid_request_error", "payload_too_large"
 
@@ -68,7 +72,7 @@ class EngineFailure(KvgateError):
 
 
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, ContextLengthExceeded, AuthenticationFailed,
-                                      PermissionDenied, NotFound, PayloadTooLarge, Unprocessable,
+                                      PermissionDenied, NotFound, Conflict, PayloadTooLarge, Unprocessable,
                                       RateLimited, Overloaded, RequestTimeout, EngineFailure)}
 
 

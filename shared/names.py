@@ -36,3 +36,45 @@ def worker_key(worker_id: str) -> str:
 def model_versions_key(served_name: str) -> str:
     """Hash version → info of every version ever served under a name (bounded by versions)."""
     return f"{PREFIX}:model:{served_name}"
+
+
+# -- governance: keys, limits, usage ---------------------------------------------------------
+KEY_NAMES = f"{PREFIX}:keynames"  # hash: key name -> key id (names are unique)
+
+
+def key_record(key_id: str) -> str:
+    """Hash of one API key: `record` (JSON, never a secret) and `digest` (HMAC of the current secret)."""
+    return f"{PREFIX}:key:{key_id}"
+
+
+def key_digest(digest: str) -> str:
+    """HMAC-SHA256(server secret, key secret) -> key id; a rotated-out digest carries a TTL (grace)."""
+    return f"{PREFIX}:keydigest:{digest}"
+
+
+RPM_PREFIX = f"{PREFIX}:rpm"  # prefix of the moving-window lists `limits` keeps per key (with TTLs)
+
+
+def inflight_key(key_id: str) -> str:
+    """Sorted set request id -> expiry: a key's requests in flight (stale members age out)."""
+    return f"{PREFIX}:inflight:{key_id}"
+
+
+def tpm_key(key_id: str) -> str:
+    """Hash second -> tokens charged in that second, the last minute of a key (with a TTL)."""
+    return f"{PREFIX}:tpm:{key_id}"
+
+
+def daily_tokens_key(key_id: str, day: str) -> str:
+    """Tokens a key used on one UTC day (YYYYMMDD), with a TTL past the day's end."""
+    return f"{PREFIX}:daily:{key_id}:{day}"
+
+
+def usage_key(key_id: str, day: str) -> str:
+    """Hash `model|version|counter` -> count of one key on one UTC day (with a retention TTL)."""
+    return f"{PREFIX}:usage:{key_id}:{day}"
+
+
+def usage_day_index(day: str) -> str:
+    """Set of the key ids with usage on one UTC day (same TTL as the usage hashes)."""
+    return f"{PREFIX}:usagekeys:{day}"

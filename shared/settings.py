@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import secrets
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -17,7 +17,12 @@ class CommonSettings(BaseSettings):
 class GatewaySettings(CommonSettings):
     host: str = Field("127.0.0.1", description="Bind address (loopback by default)")
     port: int = Field(8000, description="HTTP port")
-    api_key: str | None = Field(None, description="Bearer key every /v1 route requires")
+    api_key: SecretStr | None = Field(None, description="Bootstrap user key, valid besides the keys in Redis")
+    secret: SecretStr | None = Field(None, description="Server secret that keys are HMAC-ed with (required)")
+    admin_key: SecretStr | None = Field(None, description="Bootstrap admin key: the way into /admin")
+    default_rpm: int = Field(10_000, ge=1, description="Requests per minute of a key that sets none")
+    default_tpm: int = Field(10_000_000, ge=1, description="Tokens per minute of a key that sets none")
+    usage_retention_days: int = Field(400, ge=1, description="Days per-key usage counters are kept")
     gateway_id: str = Field(default_factory=lambda: secrets.token_hex(6),
                             description="Names this process's reply channel")
     max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")

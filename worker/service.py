@@ -222,6 +222,7 @@ class WorkerService:
     def _info(self) -> dict:
         return {"worker_id": self.s.worker_id, "served_name": self.s.served_name,
                 "version": self.s.version, "engine": self.s.engine, "stream": self.stream,
+                "max_model_len": self.engine.max_model_len,
                 "active": len(self.active), "stats": self.engine.stats(), **self.counters,
                 "ts": time.time()}
 

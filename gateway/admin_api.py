@@ -1,0 +1,91 @@
+"""The /admin API: API keys (create, list, show, update, revoke, rotate) and usage. Admin keys only."""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from gateway.admin_schemas import (ErrorBody, KeyCreate, KeyList, KeyRotate, KeySecret, KeyUpdate,
+                                   UsageReport, UsageRow)
+from gateway.auth import require_admin
+from gateway.durations import parse_duration
+from gateway.keys import BOOTSTRAP_IDS, KeyRecord
+from shared.errors import InvalidRequest
+
+ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
+    (401, "No key, or an unknown, revoked or expired one"), (403, "Not an admin key"),
+    (404, "No such key"), (409, "The name is taken"))}
+router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"],
+                   responses=ERRORS)
+
+
+def _store(request: Request):
+    return request.app.state.keystore
+
+
+@router.post("/keys", status_code=201, response_model=KeySecret)
+async def create_key(body: KeyCreate, request: Request) -> KeySecret:
+    """A new key; its secret is in this response and nowhere else, ever."""
+    fields = body.model_dump(exclude={"expires_in"})
+    expires = time.time() + body.expires_in if body.expires_in else None
+    record, secret = await _store(request).create(_store(request).new_record(expires=expires, **fields))
+    return KeySecret(key=record, secret=secret)
+
+
+@router.get("/keys", response_model=KeyList)
+async def list_keys(request: Request) -> KeyList:
+    return KeyList(data=await _store(request).list())
+
+
+@router.get("/keys/{key}", response_model=KeyRecord)
+async def show_key(key: str, request: Request) -> KeyRecord:
+    """`key` is a key's name or id."""
+    return await _store(request).get(key)
+
+
+@router.patch("/keys/{key}", response_model=KeyRecord)
+async def update_key(key: str, body: KeyUpdate, request: Request) -> KeyRecord:
+    store = _store(request)
+    old = await store.get(key)
+    changes = body.model_dump(exclude_unset=True)
+    if "expires_in" in changes:
+        seconds = changes.pop("expires_in")
+        changes["expires"] = time.time() + seconds if seconds else None
+    for field in ("name", "role", "models", "cache_isolation", "metadata"):
+        if field in changes and changes[field] is None:
+            raise InvalidRequest(f"{field} cannot be null", param=field)
+    return await store.save(old, old.model_copy(update=changes))
+
+
+@router.post("/keys/{key}/revoke", response_model=KeyRecord)
+async def revoke_key(key: str, request: Request) -> KeyRecord:
+    """Refused by every gateway from the next request on; the record stays, marked revoked."""
+    store = _store(request)
+    return await store.revoke(await store.get(key))
+
+
+@router.post("/keys/{key}/rotate", response_model=KeySecret)
+async def rotate_key(key: str, request: Request, body: KeyRotate | None = None) -> KeySecret:
+    """A new secret; the old one keeps working for `grace_s` seconds (default an hour)."""
+    store = _store(request)
+    record, secret = await store.rotate(await store.get(key), (body or KeyRotate()).grace_s)
+    return KeySecret(key=record, secret=secret)
+
+
+@router.get("/usage", response_model=UsageReport)
+async def usage(request: Request, key: str | None = Query(None, description="A key's name or id"),
+                since: str = Query("7d", description="How far back: 12h, 7d, 4w ..."),
+                by: Literal["model", "day", "key"] = "model") -> UsageReport:
+    """Requests, prompt and completion tokens and errors, per model+version, UTC day or key."""
+    try:
+        start = time.time() - parse_duration(since)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc), param="since") from exc
+    store = _store(request)
+    key_id = key if key in BOOTSTRAP_IDS or not key else (await store.get(key)).id
+    rows = await request.app.state.usage.query(start, key_id, by)
+    names = {r.id: r.name for r in await store.list()} if by == "key" else {}
+    return UsageReport(since=start, by=by, key=key, rows=[
+        UsageRow(**row, key_name=names.get(row.get("key_id"), row.get("key_id"))) if by == "key"
+        else UsageRow(**row) for row in rows])

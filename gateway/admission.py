@@ -1,0 +1,68 @@
+"""Admission to /v1: key → requests per minute → a slot in flight; what was taken is given back
+(slot released, tokens settled, usage recorded) when the response has ended, whatever ended it.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Depends, Request
+
+from gateway.auth import authenticate
+from gateway.keys import KeyRecord
+from gateway.limits import Reservation
+
+log = logging.getLogger("kvgate.gateway")
+
+
+@dataclass
+class Lease:
+    """What one admitted request holds, and what it turned out to use."""
+
+    key: KeyRecord
+    slot_id: str
+    slot: bool = False
+    reservation: Reservation | None = None
+    model: str | None = None
+    version: str | None = None  # set once dispatched: from then on the request counts as usage
+    usage: dict | None = None  # the `usage` the client received
+
+    def charged_tokens(self) -> int:
+        """Actual tokens when the request finished; else the reservation stands (no refund)."""
+        if self.usage is not None:
+            return self.usage["total_tokens"]
+        return self.reservation.estimate if self.reservation else 0
+
+
+def set_ratelimit_headers(request: Request, headers: dict[str, str]) -> None:
+    """Headers the RateLimitHeaders middleware puts on this request's response."""
+    current = getattr(request.state, "ratelimit_headers", {})
+    request.state.ratelimit_headers = {**current, **headers}
+
+
+async def admit(request: Request, key: KeyRecord = Depends(authenticate)) -> AsyncIterator[Lease]:
+    limits = request.app.state.limits
+    set_ratelimit_headers(request, await limits.token_window(key))
+    set_ratelimit_headers(request, await limits.count_request(key))
+    lease = Lease(key=key, slot_id=secrets.token_hex(8))
+    lease.slot = await limits.acquire_slot(key, lease.slot_id)
+    try:
+        yield lease
+    finally:
+        await settle(request, lease)
+
+
+async def settle(request: Request, lease: Lease) -> None:
+    state = request.app.state
+    try:
+        if lease.reservation is not None:
+            await state.limits.settle_tokens(lease.reservation, lease.charged_tokens())
+        if lease.version is not None:
+            await state.usage.record(lease.key.id, lease.model, lease.version, lease.usage)
+    except Exception as exc:  # Redis trouble must not turn a served response into an error
+        log.warning("could not settle usage of key %s: %s", lease.key.id, type(exc).__name__)
+    finally:
+        if lease.slot:
+            await state.limits.release_slot(lease.key, lease.slot_id)

@@ -1,0 +1,253 @@
+"""`kvgate keys ...` and `kvgate usage`: a client of the gateway's /admin API, so it works against a
+remote deployment as well as the one `kvgate up` started (whose URL and admin key are in .kvgate/)."""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import click
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+STATE_DIR = Path(".kvgate")
+console = Console(width=None if sys.stdout.isatty() else 160)  # piped output: no squeezed tables
+CLEARABLE = ("owner", "models", "rpm", "tpm", "max-concurrent", "daily-tokens", "expires",
+             "canary-cohort")
+
+
+class AdminClient:
+    """Calls /admin and turns every failure into one clear line (a ClickException)."""
+
+    def __init__(self, url: str, admin_key: str):
+        self.url = url.rstrip("/")
+        self.http = httpx.Client(base_url=self.url, timeout=30,
+                                 headers={"Authorization": f"Bearer {admin_key}"})
+
+    def call(self, method: str, path: str, **kwargs) -> dict:
+        try:
+            resp = self.http.request(method, path, **kwargs)
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            raise click.ClickException(f"cannot reach the gateway at {self.url}: "
+                                       f"{exc or type(exc).__name__}") from None
+        if resp.status_code < 400:
+            return resp.json()
+        raise click.ClickException(self._explain(resp))
+
+    def _explain(self, resp: httpx.Response) -> str:
+        try:
+            message = resp.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            return f"{self.url} answered {resp.status_code}: is it a kvgate gateway?"
+        if resp.status_code == 401:
+            return f"the gateway at {self.url} refused the admin key ({message})"
+        if resp.status_code == 403:
+            return f"the key given is not an admin key ({message})"
+        return message
+
+
+def _from_state(name: str) -> str | None:
+    path = STATE_DIR / name
+    return path.read_text().strip() if path.exists() else None
+
+
+def with_client(func):
+    """Adds --url/--admin-key (or KVGATE_URL/KVGATE_ADMIN_KEY, or .kvgate/) and --json."""
+    @click.option("--url", envvar="KVGATE_URL", help="Gateway URL [env KVGATE_URL; .kvgate/gateway.url]")
+    @click.option("--admin-key", envvar="KVGATE_ADMIN_KEY", help="[env KVGATE_ADMIN_KEY; .kvgate/admin.key]")
+    @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts)")
+    @functools.wraps(func)
+    def wrapper(url, admin_key, as_json, **kwargs):
+        url = url or _from_state("gateway.url")
+        admin_key = admin_key or _from_state("admin.key")
+        if not url:
+            raise click.ClickException("no gateway URL: pass --url, set KVGATE_URL, or run where "
+                                       "`kvgate up` wrote .kvgate/")
+        if not admin_key:
+            raise click.ClickException("no admin key: pass --admin-key, set KVGATE_ADMIN_KEY, or run "
+                                       "where `kvgate up` wrote .kvgate/admin.key")
+        return func(AdminClient(url, admin_key), as_json, **kwargs)
+    return wrapper
+
+
+def limit_options(func):
+    """The options `create` and `update` share."""
+    for decorator in reversed((
+        click.option("--owner", help="Who the key belongs to"),
+        click.option("--models", help="Comma-separated served names the key may use (default all)"),
+        click.option("--rpm", type=click.IntRange(min=1), help="Requests per minute"),
+        click.option("--tpm", type=click.IntRange(min=1), help="Tokens per minute"),
+        click.option("--max-concurrent", type=click.IntRange(min=1), help="Requests in flight at once"),
+        click.option("--daily-tokens", type=click.IntRange(min=1), help="Tokens per UTC day"),
+        click.option("--expires", help="Lifetime from now: 12h, 30d, 2w ..."),
+        click.option("--role", type=click.Choice(["user", "admin"])),
+        click.option("--cache-isolation/--shared-cache", default=None,
+                     help="Prefix-cache hits only within this key"),
+        click.option("--canary-cohort", help="Canary cohort this key's traffic joins"),
+        click.option("--meta", multiple=True, metavar="K=V", help="Metadata (repeatable)"),
+    )):
+        func = decorator(func)
+    return func
+
+
+def _body(opts: dict) -> dict:
+    """The API body from CLI options: only the options given."""
+    from gateway.durations import parse_duration
+
+    body = {k: v for k, v in opts.items() if v is not None and k not in ("meta", "expires")}
+    if "models" in body:
+        body["models"] = [m.strip() for m in body["models"].split(",") if m.strip()]
+    if opts.get("expires"):
+        try:
+            body["expires_in"] = parse_duration(opts["expires"])
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--expires") from None
+    if opts.get("meta"):
+        pairs = [m.partition("=") for m in opts["meta"]]
+        if any(not sep for _, sep, _ in pairs):
+            raise click.BadParameter("use K=V", param_hint="--meta")
+        body["metadata"] = {k: v for k, _, v in pairs}
+    return body
+
+
+@click.group()
+def keys() -> None:
+    """Manage API keys through the gateway's admin API."""
+
+
+@keys.command("create")
+@click.option("--name", required=True, help="Unique name")
+@limit_options
+@with_client
+def create(client: AdminClient, as_json: bool, name: str, **opts) -> None:
+    """Create a key; its secret is printed once, on a line of its own."""
+    out = client.call("POST", "/admin/keys", json={"name": name, **_body(opts)})
+    if as_json:
+        return _print_json(out)
+    click.echo(f"created key '{out['key']['name']}' ({out['key']['id']}); its secret, shown only now:",
+               err=True)
+    click.echo(out["secret"])
+
+
+@keys.command("list")
+@with_client
+def list_(client: AdminClient, as_json: bool) -> None:
+    """All keys, as a table."""
+    data = client.call("GET", "/admin/keys")["data"]
+    if as_json:
+        return _print_json(data)
+    table = Table("name", "id", "role", "status", "models", "rpm", "tpm", "concurrent",
+                  "daily tokens", "expires", "created")
+    for k in data:
+        table.add_row(k["name"], k["id"], k["role"], k["status"], ",".join(k["models"]) or "all",
+                      _n(k["rpm"], "default"), _n(k["tpm"], "default"), _n(k["max_concurrent"]),
+                      _n(k["daily_tokens"]), _when(k["expires"]) or "never", _when(k["created"]))
+    console.print(table)
+
+
+@keys.command("show")
+@click.argument("key")
+@with_client
+def show(client: AdminClient, as_json: bool, key: str) -> None:
+    """One key (by name or id)."""
+    _print_record(client.call("GET", f"/admin/keys/{key}"), as_json)
+
+
+@keys.command("update")
+@click.argument("key")
+@click.option("--name", "new_name", help="Rename the key")
+@click.option("--clear", multiple=True, type=click.Choice(CLEARABLE),
+              help="Remove a limit or field (repeatable)")
+@limit_options
+@with_client
+def update(client: AdminClient, as_json: bool, key: str, new_name: str | None, clear: tuple, **opts) -> None:
+    """Change a key's limits or details; only the options given change."""
+    body = _body(opts)
+    if new_name:
+        body["name"] = new_name
+    for field in clear:
+        body["expires_in" if field == "expires" else field.replace("-", "_")] = (
+            [] if field == "models" else None)
+    if not body:
+        raise click.UsageError("nothing to change: give an option or --clear")
+    _print_record(client.call("PATCH", f"/admin/keys/{key}", json=body), as_json)
+
+
+@keys.command("revoke")
+@click.argument("key")
+@with_client
+def revoke(client: AdminClient, as_json: bool, key: str) -> None:
+    """Revoke a key: every gateway refuses it from the next request on."""
+    out = client.call("POST", f"/admin/keys/{key}/revoke")
+    if as_json:
+        return _print_json(out)
+    click.echo(f"revoked key '{out['name']}' ({out['id']})")
+
+
+@keys.command("rotate")
+@click.argument("key")
+@click.option("--grace", default="1h", show_default=True, help="How long the old secret still works")
+@with_client
+def rotate(client: AdminClient, as_json: bool, key: str, grace: str) -> None:
+    """Give a key a new secret (printed once); the old one works for the grace period."""
+    from gateway.durations import parse_duration
+
+    try:
+        grace_s = parse_duration(grace)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--grace") from None
+    out = client.call("POST", f"/admin/keys/{key}/rotate", json={"grace_s": grace_s})
+    if as_json:
+        return _print_json(out)
+    click.echo(f"rotated key '{out['key']['name']}'; the old secret works for {grace}. "
+               "The new secret, shown only now:", err=True)
+    click.echo(out["secret"])
+
+
+@click.command("usage")
+@click.option("--key", help="One key (name or id); default all")
+@click.option("--since", default="7d", show_default=True, help="How far back: 12h, 7d, 4w ...")
+@click.option("--by", type=click.Choice(["model", "day", "key"]), default="model", show_default=True)
+@with_client
+def usage(client: AdminClient, as_json: bool, key: str | None, since: str, by: str) -> None:
+    """Requests, tokens and errors per model+version, UTC day or key."""
+    params = {"since": since, "by": by, **({"key": key} if key else {})}
+    report = client.call("GET", "/admin/usage", params=params)
+    if as_json:
+        return _print_json(report)
+    group = {"model": ("model", "version"), "day": ("day",), "key": ("key_name", "key_id")}[by]
+    counters = ("requests", "prompt_tokens", "completion_tokens", "total_tokens", "errors")
+    table = Table(*group, *counters, title=f"usage since {_when(report['since'])}"
+                  + (f" for key '{key}'" if key else ""))
+    for row in report["rows"]:
+        table.add_row(*(str(row[g]) for g in group), *(f"{row[c]:,}" for c in counters))
+    console.print(table)
+
+
+def _print_record(record: dict, as_json: bool) -> None:
+    if as_json:
+        return _print_json(record)
+    table = Table("field", "value", show_header=False)
+    for field, value in record.items():
+        if field in ("created", "expires", "revoked", "rotated"):
+            value = _when(value)
+        table.add_row(field, "" if value is None else str(value))
+    console.print(table)
+
+
+def _print_json(obj) -> None:
+    click.echo(json.dumps(obj, indent=2))
+
+
+def _n(value: int | None, none: str = "-") -> str:
+    return none if value is None else f"{value:,}"
+
+
+def _when(t: float | None) -> str:
+    if not t:
+        return ""
+    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
