@@ -28,12 +28,12 @@ def make_backend(name: str, device: torch.device):
     """`auto` takes Triton on CUDA when it is importable, else the torch reference."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
-            from worker.engine.triton_attention import TritonAttention
+            from worker.engine.triton_attention import TritonAttentionBackend
         except ImportError:
             if name == "triton":
                 raise
         else:
-            return TritonAttention()
+            return TritonAttentionBackend()
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
     from worker.engine.torch_attention import TorchAttention

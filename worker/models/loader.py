@@ -71,7 +71,8 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if rope_type == "default":
         return float(theta), None
-    return float(theta), {**scaling, "rope_type": rope_type}
+    kept = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}
+    return float(theta), {**kept, "rope_type": rope_type}
 
 
 def weight_files(model_dir: str | Path) -> dict[str, Path]:

@@ -1,0 +1,124 @@
+"""Block pool invariants under random allocate / prefix-hit / decode / free / abort sequences."""
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from worker.engine.block_pool import BlockPool
+from worker.engine.sequence import Sequence
+from worker.engine.types import SamplingParams
+
+BS = 2
+
+
+class Sim:
+    """Drives a pool the way the scheduler does, with a fake KV cache holding each slot's prefix, so a
+    prefix hit that served the wrong content would show up as a mismatch."""
+
+    def __init__(self, num_blocks: int, caching: bool = True):
+        self.pool = BlockPool(num_blocks, BS, caching)
+        self.kv = [None] * (num_blocks * BS)
+        self.live: list[Sequence] = []
+
+    def admit(self, tokens: list[int], salt: str | None) -> None:
+        seq = Sequence("r", 0, tokens, SamplingParams(cache_salt=salt))
+        hits = self.pool.match_prefix(seq)
+        assert len(hits) * BS < seq.num_tokens  # never the last token
+        num_new = seq.num_tokens - len(hits) * BS
+        if self.pool.allocate(seq, num_new, hits):
+            seq.num_computed_tokens = len(hits) * BS
+            self.check_content(seq, seq.num_computed_tokens)
+            self.compute(seq, num_new)
+            self.live.append(seq)
+
+    def decode(self, i: int, token: int) -> None:
+        seq = self.live[i % len(self.live)]
+        seq.append_token(token)
+        if self.pool.allocate(seq, 1):
+            self.compute(seq, 1)
+        else:
+            self.end(i)  # preempted: recompute later means freeing now
+
+    def compute(self, seq: Sequence, n: int) -> None:
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            self.kv[seq.block_table[pos // BS] * BS + pos % BS] = self.content(seq, pos)
+        seq.num_computed_tokens += n
+
+    def check_content(self, seq: Sequence, upto: int) -> None:
+        for pos in range(upto):
+            slot = seq.block_table[pos // BS] * BS + pos % BS
+            assert self.kv[slot] == self.content(seq, pos)
+
+    @staticmethod
+    def content(seq: Sequence, pos: int) -> tuple:
+        """A real K/V entry depends on the token, everything before it, and (by design) the salt."""
+        return seq.params.cache_salt, tuple(seq.tokens(0, pos + 1))
+
+    def end(self, i: int) -> None:
+        seq = self.live.pop(i % len(self.live))
+        self.pool.free(seq)
+
+    def check(self) -> None:
+        pool = self.pool
+        refs = [0] * pool.num_blocks
+        for seq in self.live:
+            for b in seq.block_table:
+                refs[b] += 1
+            self.check_content(seq, seq.num_computed_tokens)
+        assert [b.ref_cnt for b in pool.blocks] == refs  # never negative, exactly the users
+        assert set(pool.free_queue) == {b for b, r in enumerate(refs) if r == 0}  # free xor in use
+        for block_hash, b in pool.cached.items():
+            assert pool.blocks[b].block_hash == block_hash
+
+
+ops = st.lists(st.one_of(
+    st.tuples(st.just("admit"), st.lists(st.integers(0, 1), min_size=1, max_size=9), st.sampled_from([None, "t1"])),
+    st.tuples(st.just("decode"), st.integers(0, 50), st.integers(0, 1)),
+    st.tuples(st.just("end"), st.integers(0, 50), st.none()),
+), min_size=10, max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=ops, num_blocks=st.integers(5, 10), caching=st.booleans())
+def test_invariants_hold_and_everything_returns(ops, num_blocks, caching):
+    sim = Sim(num_blocks, caching)
+    for kind, a, b in ops:
+        if kind == "admit":
+            sim.admit(a, b)
+        elif sim.live:
+            sim.decode(a, b) if kind == "decode" else sim.end(a)
+        sim.check()
+    while sim.live:
+        sim.end(0)
+    sim.check()
+    assert sim.pool.num_free_blocks == num_blocks  # every block free, or cached and evictable
+
+
+def test_hits_share_blocks_and_cached_blocks_survive_until_evicted():
+    sim = Sim(8)
+    sim.admit([1, 2, 3, 4, 5], None)
+    sim.admit([1, 2, 3, 4, 6], None)
+    first, second = (list(s.block_table) for s in sim.live)
+    assert second[:2] == first[:2]
+    assert sim.pool.blocks[first[0]].ref_cnt == 2
+    sim.end(0), sim.end(0)
+    sim.admit([1, 2, 3, 4, 7], None)  # freed but still cached
+    assert sim.live[0].block_table[:2] == first[:2]
+    sim.admit([1, 2, 3, 4, 7], "other-tenant")  # a salt never sees another tenant's blocks
+    assert set(sim.live[1].block_table).isdisjoint(sim.live[0].block_table)
+
+
+def test_hit_never_covers_the_last_token():
+    sim = Sim(8)
+    sim.admit([1, 2, 3, 4], None)
+    sim.admit([1, 2, 3, 4], None)
+    assert sim.live[1].num_computed_tokens == 4  # 2 computed here, the second block recomputed
+    assert sim.live[1].block_table[0] == sim.live[0].block_table[0]
+    assert sim.live[1].block_table[1] != sim.live[0].block_table[1]
+
+
+def test_tail_blocks_are_evicted_first():
+    pool = BlockPool(4, BS)
+    seq = Sequence("r", 0, [1, 2, 3, 4, 5, 6, 7, 8], SamplingParams())
+    assert pool.allocate(seq, 8)
+    table = list(seq.block_table)
+    pool.free(seq)
+    assert list(pool.free_queue) == table[::-1]
