@@ -69,17 +69,18 @@ def configs(quick: bool):
     dims = [128] if quick else [64, 128]
     for d in dims:
         shape = {"PAGE_SIZE": 16, "HEAD_DIM": d, "BLOCK_D": d}
+        dot = {"DOT_PRECISION": "tf32"}
         yield f"write_kv D={d}", "kv_write", "_write_kv_kernel", shape, {"num_warps": 1}
         yield (f"decode_merge D={d}", "decode_attention", "_decode_merge_kernel",
                {"HEAD_DIM": d, "NUM_SPLITS": 3, "BLOCK_S": 4, "BLOCK_D": d}, {"num_warps": 4})
         for g in groups:
             gp = triton.next_power_of_2(g)
             yield (f"decode_partial G={g} D={d}", "decode_attention", "_decode_partial_kernel",
-                   {**shape, "KV_GROUP": g, "NUM_SPLITS": 4, "BLOCK_H": max(16, gp),
+                   {**shape, **dot, "KV_GROUP": g, "NUM_SPLITS": 4, "BLOCK_H": max(16, gp),
                     "BLOCK_N": 64}, {"num_warps": 4, "num_stages": 2})
             for bq in sorted({max(1, 64 // gp), max(1, 16 // gp)}):
                 yield (f"extend G={g} BQ={bq} D={d}", "extend_attention", "_extend_kernel",
-                       {**shape, "KV_GROUP": g, "GROUP_PAD": gp, "BLOCK_Q": bq,
+                       {**shape, **dot, "KV_GROUP": g, "GROUP_PAD": gp, "BLOCK_Q": bq,
                         "BLOCK_N": 64}, {"num_warps": 4 if bq * gp <= 64 else 8, "num_stages": 2})
 
 

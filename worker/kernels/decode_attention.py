@@ -29,6 +29,7 @@ def _decode_partial_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -59,7 +60,7 @@ def _decode_partial_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -67,7 +68,7 @@ def _decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0.0
@@ -139,6 +140,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         KV_GROUP=kv_group, NUM_SPLITS=num_kv_splits,
         BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=block_d,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32
         num_warps=4, num_stages=2,
     )
     _decode_merge_kernel[(num_seqs, q_heads)](

@@ -28,7 +28,7 @@ def _extend_kernel(
     stride_bt,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     seq = tl.program_id(0)
@@ -67,7 +67,7 @@ def _extend_kernel(
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         causal = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -76,7 +76,7 @@ def _extend_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
                     + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -122,6 +122,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         PAGE_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
         KV_GROUP=kv_group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32
         num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2,
     )
     return out

@@ -38,10 +38,10 @@ def _hf_greedy(model_dir, prompt: list[int], max_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_greedy_matches_transformers_with_chunks_and_a_prefix_hit(tiny_dir):
+def test_greedy_matches_transformers_with_chunks_and_a_prefix_hit(tiny_dir, device):
     engine_mod = pytest.importorskip("worker.engine.engine")
     engine = engine_mod.LLMEngine.from_model_dir(
-        tiny_dir, device="cpu", attention_backend="triton", block_size=4, num_blocks=48,
+        tiny_dir, device=device, dtype="float32", attention_backend="triton", block_size=4, num_blocks=48,
         max_num_batched_tokens=12)  # 12-token budget: prompts are prefilled in chunks beside decodes
     assert engine.runner.backend.name == "triton"
     shared = [7, 300, 41, 1200, 99, 5, 640, 18]  # two full blocks of 4
