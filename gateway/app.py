@@ -28,8 +28,11 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                         socket_timeout=5, health_check_interval=10)
+        # a blocking pool: a burst of requests waits for a connection instead of failing with 503
+        pool = aioredis.BlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.redis_max_connections, timeout=5,
+            socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
+        client = aioredis.Redis(connection_pool=pool)
         app.state.redis = client
         app.state.registry = Registry(client)
         app.state.keystore = KeyStore(client, settings.secret.get_secret_value())

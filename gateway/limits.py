@@ -116,7 +116,8 @@ class Limits:
         self.redis = redis
         self.settings = settings
         self.rpm_window = MovingWindowRateLimiter(
-            RedisStorage(settings.redis_url, implementation="redispy", key_prefix=names.RPM_PREFIX))
+            RedisStorage(settings.redis_url, implementation="redispy", key_prefix=names.RPM_PREFIX,
+                         connection_pool=redis.connection_pool))
         self._acquire_slot = redis.register_script(ACQUIRE_SLOT)
         self._reserve = redis.register_script(RESERVE_TOKENS)
         self._settle = redis.register_script(SETTLE_TOKENS)

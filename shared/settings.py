@@ -22,6 +22,7 @@ class GatewaySettings(CommonSettings):
     admin_key: SecretStr | None = Field(None, description="Bootstrap admin key: the way into /admin")
     default_rpm: int = Field(10_000, ge=1, description="Requests per minute of a key that sets none")
     default_tpm: int = Field(10_000_000, ge=1, description="Tokens per minute of a key that sets none")
+    redis_max_connections: int = Field(256, ge=2, description="Redis connections per gateway process")
     usage_retention_days: int = Field(400, ge=1, description="Days per-key usage counters are kept")
     gateway_id: str = Field(default_factory=lambda: secrets.token_hex(6),
                             description="Names this process's reply channel")
