@@ -25,7 +25,8 @@ class BatchInputs:
 
 
 def make_backend(name: str, device: torch.device):
-    """`auto` takes Triton on CUDA when it is importable, else the torch reference."""
+    """`auto` takes Triton on CUDA when it is importable, else torch with the native CPU decode
+    kernel; `torch` is the pure-torch reference."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from worker.engine.triton_attention import TritonAttentionBackend
@@ -38,7 +39,7 @@ def make_backend(name: str, device: torch.device):
         raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
     from worker.engine.torch_attention import TorchAttention
 
-    return TorchAttention()
+    return TorchAttention(native_decode=name == "auto")
 
 
 class ModelRunner:

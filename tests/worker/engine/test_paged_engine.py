@@ -73,3 +73,8 @@ def test_priorities_and_preemption_keep_outputs_exact(case):
     llm = LLM(case.model_dir, num_blocks=16, block_size=8, max_num_seqs=6)
     params = [SamplingParams(max_tokens=MAX_NEW, temperature=0.0, priority=i % 3) for i in range(16)]
     assert tokens(llm.generate(case.prompts, params)) == case.expected
+
+
+def test_pure_torch_backend_is_exact_too(case):
+    llm = LLM(case.model_dir, attention_backend="torch", max_num_batched_tokens=32)
+    assert tokens(llm.generate(case.prompts, GREEDY)) == case.expected

@@ -1,0 +1,253 @@
+"""`kvgate bench engine`: the paged engine against transformers on one random ~58M Llama, same process.
+
+W1 throughput: output tokens/s of transformers one request at a time, transformers in left-padded
+static batches of 8, and the engine with every request submitted at once; plus the engine's
+FLOP/s in steady decode against a torch.mm peak measured in the same run.
+W2 prefix cache: sequential requests sharing a long prefix, TTFT p50 with caching on vs off.
+W3 KV efficiency: peak concurrency at a fixed KV budget vs reserving max_model_len per sequence,
+and the share of allocated KV slots that hold live tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from worker.engine.engine import LLMEngine
+from worker.engine.types import SamplingParams
+
+MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+             intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048)
+TARGETS = {"w1.vs_sequential": (">=", 8.0), "w1.vs_static": (">=", 3.0), "w1.flops_share": (">=", 0.5),
+           "w2.ttft_ratio": ("<=", 0.1), "w2.hit_rate": (">=", 0.9), "w3.concurrency_ratio": (">=", 5.0),
+           "w3.slot_use": (">=", 0.95)}
+
+
+@dataclass
+class Sizes:
+    w1_requests: int = 64
+    w1_prompt: tuple[int, int] = (16, 128)
+    w1_output: tuple[int, int] = (32, 256)
+    w2_requests: int = 32
+    w2_prefix: int = 1024
+    w3_reserved_seqs: int = 4  # the KV budget, in max_model_len-long sequences
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(w1_requests=16, w1_output=(8, 32), w2_requests=8, w2_prefix=512, w3_reserved_seqs=1)
+
+
+def build_model(path: Path) -> Path:
+    """Random weights, fixed seed; the demo tokenizer (the benchmark feeds token ids)."""
+    import transformers
+
+    from worker.models.demo import train_tokenizer
+
+    tokenizer = train_tokenizer()
+    config = transformers.LlamaConfig(**MODEL, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def w1_requests(sizes: Sizes, seed: int = 1) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(100, MODEL["vocab_size"]) for _ in range(rng.randint(*sizes.w1_prompt))],
+             rng.randint(*sizes.w1_output)) for _ in range(sizes.w1_requests)]
+
+
+def mm_peak(n: int = 2048, reps: int = 5) -> float:
+    """Best-of-reps fp32 torch.mm FLOP/s on this machine with the current thread count."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = min(_timed(lambda: torch.mm(a, b)) for _ in range(reps))
+    return 2 * n ** 3 / best
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@torch.inference_mode()
+def hf_sequential(model, reqs) -> float:
+    def run():
+        for prompt, n in reqs:
+            model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return sum(n for _, n in reqs) / _timed(run)
+
+
+@torch.inference_mode()
+def hf_static(model, reqs, batch: int = 8) -> float:
+    """Left-padded batches run to their longest output; only the requested tokens count."""
+    def run():
+        for i in range(0, len(reqs), batch):
+            group = reqs[i:i + batch]
+            width = max(len(p) for p, _ in group)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+            n = max(n for _, n in group)
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return sum(n for _, n in reqs) / _timed(run)
+
+
+def matmul_params(engine: LLMEngine) -> int:
+    """Weights that take part in a matmul per token: every layer plus lm_head, not the embedding lookup."""
+    return sum(p.numel() for name, p in engine.runner.model.named_parameters()
+               if p.dim() == 2 and "embed_tokens" not in name)
+
+
+def run_engine(engine: LLMEngine, reqs, on_step=None) -> dict:
+    """All requests at once; time every step, and note the decode-only ones for FLOP accounting."""
+    cfg = engine.model_config
+    per_token = 2 * matmul_params(engine)
+    attn_per_ctx = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim  # QK^T and PV, per context token
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(reqs):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    decode_steps, tokens = [], 0
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        decode_only = not engine.scheduler.waiting and all(s.num_tokens - s.num_computed_tokens == 1 for s in running)
+        flops = len(running) * per_token + attn_per_ctx * sum(s.num_tokens for s in running)
+        t0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t0
+        tokens += sum(len(o.new_token_ids) for o in outs)
+        if decode_only and running:
+            decode_steps.append((len(running), flops, dt))
+        if on_step:
+            on_step(engine)
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "decode_steps": decode_steps}
+
+
+def workload_1(model_dir: Path, sizes: Sizes) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    reqs = w1_requests(sizes)
+    peak = mm_peak()
+    engine = LLMEngine.from_model_dir(model_dir, kv_cache_memory=1 << 30, max_num_seqs=256)
+    run_engine(engine, reqs[:4])  # warm-up
+    result = run_engine(engine, reqs)
+    engine_tps = result["tokens"] / result["seconds"]
+    params = matmul_params(engine)
+    del engine
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf.generation_config.pad_token_id = 0
+    static_tps = hf_static(hf, reqs)
+    seq_tps = hf_sequential(hf, reqs)
+    steps = result["decode_steps"]
+    full = max((b for b, _, _ in steps), default=0)
+    steady = [(f, t) for b, f, t in steps if b >= full / 2]  # steady: the batch is at least half its peak
+    flops = sum(f for f, _ in steady) / max(sum(t for _, t in steady), 1e-9)
+    all_flops = sum(f for _, f, _ in steps) / max(sum(t for _, _, t in steps), 1e-9)
+    return {
+        "requests": len(reqs), "output_tokens": result["tokens"], "sequential_tok_s": seq_tps,
+        "static_tok_s": static_tps, "engine_tok_s": engine_tps, "vs_sequential": engine_tps / seq_tps,
+        "vs_static": engine_tps / static_tps, "mm_peak_flops": peak, "decode_flops": flops,
+        "flops_share": flops / peak, "all_decode_steps_flops_share": all_flops / peak,
+        "steady_decode_steps": len(steady), "matmul_params": params,
+    }
+
+
+def workload_2(model_dir: Path, sizes: Sizes) -> dict:
+    rng = random.Random(2)
+    prefix = [rng.randrange(100, MODEL["vocab_size"]) for _ in range(sizes.w2_prefix)]
+    prompts = [prefix + [rng.randrange(100, MODEL["vocab_size"]) for _ in range(32)] for _ in range(sizes.w2_requests)]
+    out = {}
+    for caching in (True, False):
+        engine = LLMEngine.from_model_dir(model_dir, enable_prefix_caching=caching)
+        ttfts = [_ttft(engine, str(i), p) for i, p in enumerate(prompts)]
+        out["on" if caching else "off"] = statistics.median(ttfts)
+        if caching:
+            stats = engine.stats()
+            out["hit_rate"] = stats["prefix_cache_hits"] / max(stats["prefix_cache_queries"], 1)
+    return {"requests": len(prompts), "prefix_tokens": len(prefix), "ttft_p50_on_s": out["on"],
+            "ttft_p50_off_s": out["off"], "ttft_ratio": out["on"] / out["off"], "hit_rate": out["hit_rate"]}
+
+
+def _ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
+    """Seconds to the first token; then the request runs to its end before the next one starts."""
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    first = None
+    while engine.has_unfinished():
+        outs = engine.step()
+        if first is None and any(o.new_token_ids for o in outs):
+            first = time.perf_counter() - start
+    return first
+
+
+def workload_3(model_dir: Path, sizes: Sizes) -> dict:
+    max_len = 2048
+    probe = LLMEngine.from_model_dir(model_dir, num_blocks=1)
+    token_bytes = probe.runner._block_bytes(probe.model_config) // probe.config.block_size
+    del probe
+    budget = sizes.w3_reserved_seqs * max_len * token_bytes
+    engine = LLMEngine.from_model_dir(model_dir, kv_cache_memory=budget, max_model_len=max_len, max_num_seqs=256)
+    samples = {"peak": 0, "live": 0, "allocated": 0}
+
+    def sample(e: LLMEngine) -> None:
+        running = e.scheduler.running
+        samples["peak"] = max(samples["peak"], len(running))
+        samples["live"] += sum(s.num_computed_tokens for s in running)
+        samples["allocated"] += sum(len(s.block_table) for s in running) * e.pool.block_size
+
+    run_engine(engine, w1_requests(sizes), on_step=sample)
+    reserved = budget // (max_len * token_bytes)
+    return {"kv_budget_bytes": budget, "max_model_len": max_len, "reserved_seqs": reserved,
+            "peak_concurrent": samples["peak"], "concurrency_ratio": samples["peak"] / reserved,
+            "slot_use": samples["live"] / max(samples["allocated"], 1),
+            "num_preemptions": engine.stats()["num_preemptions"]}
+
+
+def run_bench(quick: bool = False, out_json: str | None = "bench_engine.json") -> dict:
+    sizes = Sizes.quick() if quick else Sizes()
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model(Path(tmp) / "bench-llama")
+        report = {"quick": quick, "threads": torch.get_num_threads(), "model": MODEL,
+                  "w1": workload_1(model_dir, sizes), "w2": workload_2(model_dir, sizes),
+                  "w3": workload_3(model_dir, sizes)}
+    print(format_table(report))
+    if out_json:
+        Path(out_json).write_text(json.dumps(report, indent=2))
+    return report
+
+
+def format_table(report: dict) -> str:
+    rows = [f"{'metric':<22}{'value':>12}  {'target':<8}{'met':<4}"]
+    for name, (op, target) in TARGETS.items():
+        section, key = name.split(".")
+        value = report[section][key]
+        met = value >= target if op == ">=" else value <= target
+        rows.append(f"{name:<22}{value:>12.3f}  {op}{target:<6}{'yes' if met else 'NO':<4}")
+    w1 = report["w1"]
+    rows.append(f"tok/s: sequential {w1['sequential_tok_s']:.1f}, static {w1['static_tok_s']:.1f}, "
+                f"engine {w1['engine_tok_s']:.1f}; decode {w1['decode_flops'] / 1e9:.1f} GFLOP/s "
+                f"vs mm peak {w1['mm_peak_flops'] / 1e9:.1f}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvgate bench engine", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller workloads, for smoke checks")
+    parser.add_argument("--out", default="bench_engine.json", help="where to write the JSON report")
+    args = parser.parse_args(argv)
+    run_bench(args.quick, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
