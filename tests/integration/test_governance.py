@@ -276,6 +276,9 @@ def test_every_documented_route_but_health_needs_a_key(gov):
                     assert resp.status_code == 403, (method, path, resp.text)
             checked += 1
     assert checked >= 9
+    _, admin_secret = gov.create_key(role="admin")
+    resp = httpx.get(gov.gateways[1] + "/admin/keys", headers=_auth(admin_secret))
+    assert resp.status_code == 200 and resp.json()["data"]
 
 
 # -- usage and validation ------------------------------------------------------------------
