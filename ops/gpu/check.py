@@ -58,6 +58,8 @@ class Scale:
     output_len: tuple[int, int]
     static_batch: int
     iters: int  # timed calls per repeat in the kernel benchmarks
+    sweep: tuple[tuple[int, int], ...]  # (kv splits, block_n) tried for decode
+    extra_decode_seqs: int  # random-length sequences added to the decode correctness batch
     hf_seconds: float  # time allowed to each transformers baseline (a subset, then a rate)
     engine_seconds: float  # a run stopped here reports its rate so far
 
@@ -69,6 +71,7 @@ GPU = Scale(
     model=dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, head_dim=64),
     num_requests=64, prompt_len=(128, 512), output_len=(128, 512), static_batch=16, iters=20,
+    sweep=tuple((sp, bn) for sp in (1, 2, 4, 8) for bn in (32, 64)), extra_decode_seqs=27,
     hf_seconds=45.0, engine_seconds=120.0,
 )
 SMOKE = Scale(
@@ -78,6 +81,7 @@ SMOKE = Scale(
     model=dict(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     num_requests=4, prompt_len=(8, 16), output_len=(4, 8), static_batch=2, iters=1,
+    sweep=((1, 32), (3, 64)), extra_decode_seqs=3,
     hf_seconds=5.0, engine_seconds=60.0,
 )
 
@@ -241,7 +245,7 @@ def correctness(report: Report, s: Scale) -> None:
     scale = head_dim ** -0.5
     rng = random.Random(2)
     n = s.max_len
-    decode_lens = [1, bs - 1, bs, bs + 1, n] + [rng.randint(1, n) for _ in range(27)]
+    decode_lens = [1, bs - 1, bs, bs + 1, n] + [rng.randint(1, n) for _ in range(s.extra_decode_seqs)]
     # (context already cached, new tokens): fresh prompts, prefix hits, a long chunk, decode rows
     extend_rows = [(0, n // 8), (n // 4, n // 16), (bs, bs), (n - 1, 1), (n // 2, n // 2),
                    (bs + 1, n // 40 + 1), (0, 1), (n // 12, 1)]
@@ -308,14 +312,13 @@ def decode_bandwidth(report: Report, s: Scale) -> None:
     report.put("decode_attn.tb_per_s", kv_bytes / t / 1e12)
     report.put("decode_attn.bw_share", kv_bytes / t / PEAK_BYTES_PER_S)
     sweep = {}
-    for splits in (1, 2, 4, 8):
-        for block_n in (32, 64):
-            def call():
-                decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                 num_kv_splits=splits, block_n=block_n)
-            sweep[f"splits={splits},block_n={block_n}"] = round(
-                kv_bytes / seconds_per_call(call, s.device, max(1, s.iters // 2), repeats=2)
-                / PEAK_BYTES_PER_S, 4)
+    for splits, block_n in s.sweep:
+        def call():
+            decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                             num_kv_splits=splits, block_n=block_n)
+        sweep[f"splits={splits},block_n={block_n}"] = round(
+            kv_bytes / seconds_per_call(call, s.device, max(1, s.iters // 2), repeats=2)
+            / PEAK_BYTES_PER_S, 4)
     report.put("decode_attn.sweep_bw_share", sweep)
     report.put("decode_attn.best_bw_share", max(sweep.values()))
 
