@@ -30,10 +30,13 @@ class Lease:
     usage: dict | None = None  # the `usage` the client received
 
     def charged_tokens(self) -> int:
-        """Actual tokens when the request finished; else the reservation stands (no refund)."""
+        """Actual tokens when the request finished; nothing if it never reached a worker; else the
+        reservation stands (a client that leaves mid-stream is not refunded)."""
         if self.usage is not None:
             return self.usage["total_tokens"]
-        return self.reservation.estimate if self.reservation else 0
+        if self.version is None or self.reservation is None:
+            return 0
+        return self.reservation.estimate
 
 
 def set_ratelimit_headers(request: Request, headers: dict[str, str]) -> None:
