@@ -16,12 +16,21 @@ if not id then return false end
 return redis.call('HGET', '%s:' .. id, 'record')
 """ % names.key_record("").rstrip(":")
 
+# KEYS: name index, record hash, digest key. ARGV: name, id, record JSON, digest. 0: name taken.
+CREATE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('HSET', KEYS[2], 'record', ARGV[3], 'digest', ARGV[4])
+redis.call('SET', KEYS[3], ARGV[2])
+return 1
+"""
+
 
 class KeyStore:
     def __init__(self, redis: aioredis.Redis, server_secret: str):
         self.redis = redis
         self._server_secret = server_secret
         self._lookup = redis.register_script(LOOKUP)
+        self._create = redis.register_script(CREATE)
 
     def digest(self, secret: str) -> str:
         return digest(self._server_secret, secret)
@@ -32,14 +41,13 @@ class KeyStore:
 
     async def create(self, record: KeyRecord) -> tuple[KeyRecord, str]:
         """Store a new key (its name must be free); the secret is returned once, here."""
-        if not await self.redis.hsetnx(names.KEY_NAMES, record.name, record.id):
-            raise Conflict(f"A key named '{record.name}' already exists", param="name")
         secret = new_secret()
         d = self.digest(secret)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(names.key_record(record.id), mapping={"record": record.model_dump_json(), "digest": d})
-        pipe.set(names.key_digest(d), record.id)
-        await pipe.execute()
+        created = await self._create(
+            keys=[names.KEY_NAMES, names.key_record(record.id), names.key_digest(d)],
+            args=[record.name, record.id, record.model_dump_json(), d])
+        if not created:
+            raise Conflict(f"A key named '{record.name}' already exists", param="name")
         return record, secret
 
     async def resolve(self, name_or_id: str) -> str:
