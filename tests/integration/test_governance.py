@@ -20,6 +20,7 @@ import redis
 
 from tests.conftest import Stack, start_stack, stop_stack  # plain helpers (python -m pytest puts . on the path)
 
+ENGINE = "hf"  # the gateway is under test here; the one-at-a-time baseline engine keeps timings plain
 MARKER = "zebra-quartz-prompt-marker"  # a prompt that must never reach a log
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                 "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
@@ -78,7 +79,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def gov(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gov")
-    stack = start_stack(tiny_model_dir, root / ".kvgate", "hf")
+    stack = start_stack(tiny_model_dir, root / ".kvgate", ENGINE)
     admin_key = (stack.state / "admin.key").read_text().strip()
     second, url2 = _start_second_gateway(stack, admin_key)
     g = Gov(stack=stack, gateways=[stack.url, url2], admin_key=admin_key, second=second)
