@@ -71,8 +71,10 @@ def configs(quick: bool):
         shape = {"PAGE_SIZE": 16, "HEAD_DIM": d, "BLOCK_D": d}
         dot = {"DOT_PRECISION": "tf32"}
         yield f"write_kv D={d}", "kv_write", "_write_kv_kernel", shape, {"num_warps": 1}
-        yield (f"decode_merge D={d}", "decode_attention", "_decode_merge_kernel",
-               {"HEAD_DIM": d, "NUM_SPLITS": 3, "BLOCK_S": 4, "BLOCK_D": d}, {"num_warps": 4})
+        for splits in (1, 3):
+            yield (f"decode_merge S={splits} D={d}", "decode_attention", "_decode_merge_kernel",
+                   {"HEAD_DIM": d, "NUM_SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits),
+                    "BLOCK_D": d}, {"num_warps": 4})
         for g in groups:
             gp = triton.next_power_of_2(g)
             yield (f"decode_partial G={g} D={d}", "decode_attention", "_decode_partial_kernel",

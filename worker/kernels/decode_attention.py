@@ -106,7 +106,7 @@ def _decode_merge_kernel(
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     num_kv_splits: int = 1, block_n: int = 64,
+                     num_kv_splits: int = 1, block_n: int = 64, num_stages: int = 2,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its paged context.
 
@@ -141,7 +141,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=num_stages,
     )
     _decode_merge_kernel[(num_seqs, q_heads)](
         part_out, part_lse, out,
