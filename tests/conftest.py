@@ -11,6 +11,13 @@ from pathlib import Path
 
 import pytest
 
+# Triton reads this when a kernel is defined: without a GPU, its kernels run in the interpreter.
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
 TINY = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
 
 
