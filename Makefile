@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench-engine clean
+.PHONY: run test install bench-engine bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: $(STAMP)
 
 bench-engine: $(STAMP)
 	$(BIN)/kvgate bench engine
+
+# The serving comparisons (paged vs hf, kvgate vs LiteLLM vs bare, prefix cache, long/short mix):
+# regenerates docs/performance.md's serve section, docs/perf/*.png and docs/perf/bench.json.
+# LiteLLM goes into a venv of its own under bench-out/, never into the project's.
+bench: $(STAMP)
+	$(BIN)/python -m kvgate.bench_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .kvgate

@@ -6,6 +6,8 @@ import sys
 
 import click
 
+ENGINES = ["paged", "hf", "synthetic"]  # hf: the naive baseline; synthetic: no model, for load tests
+
 
 @click.group()
 def main() -> None:
@@ -27,8 +29,8 @@ def demo_model(directory: str) -> None:
               help="Local Hugging Face model folder")
 @click.option("--served-name", envvar="KVGATE_SERVED_NAME", default="demo", show_default=True)
 @click.option("--version", "version_", envvar="KVGATE_VERSION", default="v1", show_default=True)
-@click.option("--engine", type=click.Choice(["paged", "hf"]), envvar="KVGATE_ENGINE", default="paged",
-              show_default=True)
+@click.option("--engine", type=click.Choice(ENGINES), envvar="KVGATE_ENGINE", default="paged",
+              show_default=True, help="synthetic: no model, fixed tokens (load tests of the serving path)")
 @click.option("--redis-url", envvar="KVGATE_REDIS_URL", default="redis://127.0.0.1:6379/0",
               show_default=True)
 @click.option("--device", default=None, help="cpu, cuda or auto [default: auto]")
@@ -77,7 +79,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
               help="Hugging Face model folder (default: the demo model, built once)")
 @click.option("--served-name", default="demo", show_default=True)
 @click.option("--version", "version_", default="v1", show_default=True)
-@click.option("--engine", type=click.Choice(["paged", "hf"]), default="paged", show_default=True)
+@click.option("--engine", type=click.Choice(ENGINES), default="paged", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True, help="Gateway port (0 = any free)")
 @click.option("--redis-port", type=int, default=0, show_default=True, help="0 = any free port")
 @click.option("--state-dir", default=".kvgate", show_default=True,
@@ -103,6 +105,10 @@ def bench_engine(quick: bool, out: str) -> None:
 
     run_bench(quick=quick, out_json=out)
 
+
+from kvgate.bench_serve import serve_command  # noqa: E402  (client-side serving benchmark)
+
+bench.add_command(serve_command, "serve")
 
 from kvgate.admin_cli import keys, usage  # noqa: E402  (commands that talk to the admin API)
 

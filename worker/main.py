@@ -21,7 +21,11 @@ def build_engine(s: WorkerSettings):
             kv_cache_memory=s.kv_cache_memory, gpu_memory_utilization=s.gpu_memory_utilization,
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching)
-    raise ValueError(f"unknown engine {s.engine!r}: choose 'paged' or 'hf'")
+    if s.engine == "synthetic":  # no model: fixed tokens, for gateway-path load tests only
+        from worker.engine.synthetic import SyntheticEngine
+
+        return SyntheticEngine.from_model_dir(s.model, max_model_len=s.max_model_len)
+    raise ValueError(f"unknown engine {s.engine!r}: choose 'paged', 'hf' or 'synthetic'")
 
 
 def _device(name: str) -> str:

@@ -1,0 +1,82 @@
+"""PNG plots of `kvgate bench serve` results (matplotlib, no display needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def ttft_cdf(series: dict[str, list[float]], path: Path, title: str = "TTFT CDF") -> Path:
+    """One empirical CDF line per named list of TTFTs (ms)."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, values in series.items():
+        if values:
+            xs = np.sort(np.asarray(values))
+            ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=name)
+    ax.set_xscale("log")
+    ax.set(xlabel="TTFT (ms, log scale)", ylabel="fraction of requests", title=title, ylim=(0, 1.01))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def against_concurrency(series: dict[str, tuple[list[int], list[float]]], ylabel: str, path: Path,
+                        title: str, log_y: bool = False) -> Path:
+    """One line per named (concurrency levels, values) pair."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set(xlabel="concurrency (requests in flight)", ylabel=ylabel, title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def bars(values: dict[str, float], ylabel: str, path: Path, title: str) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = list(values)
+    ax.bar(names, [values[n] for n in names], color="tab:blue")
+    for i, n in enumerate(names):
+        ax.annotate(f"{values[n]:.3g}", (i, values[n]), ha="center", va="bottom", fontsize=8)
+    ax.set(ylabel=ylabel, title=title)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def plot_report(report: dict, folder: Path) -> list[Path]:
+    """TTFT CDF of every run; for a sweep also throughput and TTFT p99 against concurrency."""
+    runs = report["runs"]
+    name = report["config"]["dataset"]
+    label = (lambda r: f"c={r['max_concurrency']}") if len(runs) > 1 else (lambda r: name)
+    paths = [ttft_cdf({label(r): r["ttfts_ms"] for r in runs}, folder / "ttft_cdf.png", f"TTFT CDF · {name}")]
+    if report["config"].get("sweep"):
+        levels = [r["max_concurrency"] for r in runs]
+        paths.append(against_concurrency({"output tokens/s": (levels, [r["output_throughput"] for r in runs])},
+                                         "output tokens/s", folder / "throughput.png", f"Throughput · {name}"))
+        paths.append(against_concurrency({"TTFT p99": (levels, [r["p99_ttft_ms"] for r in runs])},
+                                         "TTFT p99 (ms)", folder / "ttft_p99.png", f"TTFT p99 · {name}"))
+    return paths

@@ -1,0 +1,240 @@
+"""Turns one `make bench` run into docs/perf/bench.json, docs/perf/*.png and the serve section of
+docs/performance.md (between its bench-serve markers; the rest of the file is left as it is)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kvgate import bench_plots
+
+START, END = "<!-- bench-serve:start -->", "<!-- bench-serve:end -->"
+TARGETS = {  # stable name: (comparison, target value, what it is)
+    "vs_naive_c64": (">=", 10.0, "paged ÷ naive `hf` output tokens/s at concurrency 64"),
+    "overhead_p50_vs_litellm": ("<=", 0.5, "kvgate's added latency p50 ÷ LiteLLM's (worst of the three measures)"),
+    "rps_vs_litellm": (">=", 2.0, "highest sustained req/s, kvgate ÷ LiteLLM (one process each)"),
+    "ttft_added_ms_p50": ("<=", 5.0, "TTFT p50 through gateway + Redis − in-process engine (ms)"),
+    "mix_short_ttft_p99_ratio": ("<=", 3.0, "short requests' TTFT p99 with long prompts ÷ alone"),
+}
+_LISTS = ("ttfts_ms", "e2els_ms", "labels")
+
+
+def figures(r: dict) -> dict:
+    """The stable numbers; None where a comparison could not run."""
+    eng, gw = r["engines"], r["gateways"]
+    out = {"vs_naive_c64": _ratio(eng["paged"][-1]["output_throughput"], eng["hf"][-1]["output_throughput"])}
+    added = overheads(gw["latency"])
+    ratios = [_ratio(added[m]["kvgate"]["p50"], added[m]["litellm"]["p50"]) for m in added if "litellm" in added[m]]
+    out["overhead_p50_vs_litellm"] = max(ratios) if ratios and None not in ratios else None
+    ramp = gw["ramp"]
+    out["rps_vs_litellm"] = _ratio(ramp["kvgate"]["max_sustained_rps"], ramp["litellm"]["max_sustained_rps"]) \
+        if "litellm" in ramp else None
+    out["ttft_added_ms_p50"] = r["ttft_added"]["added_p50_ms"]
+    mix = r["mix"]
+    out["mix_short_ttft_p99_ratio"] = _ratio(mix["mixed"]["by_label"]["short"]["p99_ttft_ms"], mix["alone"]["p99_ttft_ms"])
+    return out
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b and b > 0 else None
+
+
+def overheads(latency: dict) -> dict:
+    """Added latency (path − bare baseline) per measure and path: {measure: {path: {p50, p99}}}."""
+    measures = {"non-streamed E2EL": ("nostream", "e2el"), "streamed TTFT": ("stream", "ttft"),
+                "streamed E2EL": ("stream", "e2el")}
+    out = {}
+    for label, (mode, metric) in measures.items():
+        base = latency[mode]["baseline"][metric]
+        out[label] = {path: {p: d[metric][p] - base[p] for p in ("p50", "p99")}
+                      for path, d in latency[mode].items() if path != "baseline"}
+    return out
+
+
+def met(name: str, value: float | None) -> str:
+    if value is None:
+        return "not measured"
+    op, target, _ = TARGETS[name]
+    return "met" if (value >= target if op == ">=" else value <= target) else "**not met**"
+
+
+def write_report(r: dict, docs: Path, quick: bool = False) -> None:
+    perf = docs / "perf"
+    perf.mkdir(parents=True, exist_ok=True)
+    figs = figures(r)
+    plots = make_plots(r, perf)
+    stripped = _strip_lists(r)
+    (perf / "bench.json").write_text(json.dumps({**figs, "targets": {k: [v[0], v[1]] for k, v in TARGETS.items()},
+                                                 "quick": quick, "results": stripped}, indent=1) + "\n")
+    section = markdown(r, figs, [p.relative_to(docs) for p in plots], quick)
+    path = docs / "performance.md"
+    text = path.read_text() if path.exists() else "# kvgate performance\n"
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    block = f"{START}\n{section}\n{END}"
+    path.write_text(pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n")
+    print(f"wrote {path}, {perf / 'bench.json'} and {len(plots)} plots")
+    for name, value in figs.items():
+        print(f"  {name} = {_fmt(value)}  ({met(name, value)})")
+
+
+def _strip_lists(obj):
+    if isinstance(obj, dict):
+        return {k: _strip_lists(v) for k, v in obj.items() if k not in _LISTS}
+    if isinstance(obj, list):
+        return [_strip_lists(v) for v in obj]
+    return obj
+
+
+def make_plots(r: dict, perf: Path) -> list[Path]:
+    eng, gw = r["engines"], r["gateways"]
+    levels = eng["levels"]
+    paths = [
+        bench_plots.against_concurrency({e: (levels, [x["output_throughput"] for x in eng[e]]) for e in ("paged", "hf")},
+                                        "output tokens/s", perf / "engines_throughput.png",
+                                        "Paged vs naive hf worker, behind the gateway", log_y=True),
+        bench_plots.against_concurrency({e: (levels, [x["p99_ttft_ms"] for x in eng[e]]) for e in ("paged", "hf")},
+                                        "TTFT p99 (ms)", perf / "engines_ttft_p99.png", "TTFT p99 against concurrency",
+                                        log_y=True),
+        bench_plots.bars({f"{path}\n{measure}": v["p50"] for measure, d in overheads(gw["latency"]).items()
+                          for path, v in d.items()}, "added latency p50 (ms)", perf / "gateway_overhead.png",
+                         "Latency added over the bare server (p50)"),
+        _ramp_plot(gw["ramp"], perf / "gateway_ramp.png"),
+        bench_plots.ttft_cdf({f"prefix caching {k}": r["prefix"][k]["ttfts_ms"] for k in ("on", "off")},
+                             perf / "prefix_ttft_cdf.png", "Shared-prefix workload: TTFT CDF"),
+        bench_plots.ttft_cdf(_mix_series(r["mix"]), perf / "mix_ttft_cdf.png", "Short requests: TTFT CDF"),
+    ]
+    return paths
+
+
+def _mix_series(mix: dict) -> dict:
+    mixed = mix["mixed"]
+    return {"short, alone": mix["alone"]["ttfts_ms"],
+            "short, with long prompts": [t for t, lb in zip(mixed["ttfts_ms"], mixed["labels"]) if lb == "short"],
+            "long": [t for t, lb in zip(mixed["ttfts_ms"], mixed["labels"]) if lb == "long"]}
+
+
+def _ramp_plot(ramp: dict, path: Path) -> Path:
+    plt = bench_plots._pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, d in ramp.items():
+        ax.plot([lv["offered"] for lv in d["levels"]], [lv["achieved"] for lv in d["levels"]], marker="o", label=name)
+    top = max((lv["offered"] for d in ramp.values() for lv in d["levels"]), default=1)
+    ax.plot([0, top], [0, top], ls=":", color="grey", label="offered = achieved")
+    ax.set(xlabel="offered requests/s", ylabel="completed requests/s", title="One process under a rising rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return bench_plots._save(fig, path)
+
+
+def _fmt(v, digits: int = 2) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.{digits}f}" if isinstance(v, float) else str(v)
+
+
+def markdown(r: dict, figs: dict, plots: list[Path], quick: bool) -> str:
+    lines = [
+        "## Serving benchmark (`make bench`)", "",
+        f"Generated by `make bench` (`kvgate/bench_all.py`) on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC "
+        f"in {r['elapsed_s'] / 60:.1f} min{' — QUICK sizes, not figures to quote' if quick else ''}. Machine: "
+        f"{os.cpu_count()} CPU cores ({platform.machine()}), no GPU, shared with other jobs; client, servers and "
+        "Redis all on it. Model: the random-weight demo Llama (`kvgate demo-model`; 4 layers, hidden 256, "
+        "vocab 2048), fp32 on CPU. Metrics are client-side, with vLLM `bench serve`'s definitions "
+        "(`kvgate bench serve`; see `kvgate/bench_metrics.py`). Figures in `docs/perf/bench.json`.", "",
+        "| figure | target | measured | |", "| --- | --- | --- | --- |",
+    ]
+    for name, (op, target, what) in TARGETS.items():
+        lines.append(f"| `{name}`: {what} | {op.replace('>=', '≥').replace('<=', '≤')} {target:g} | "
+                     f"{_fmt(figs[name])} | {met(name, figs[name])} |")
+    lines += _engines_md(r["engines"]) + _gateways_md(r["gateways"]) + _prefix_md(r["prefix"])
+    lines += _mix_md(r["mix"]) + _added_md(r["ttft_added"])
+    lines += ["", " ".join(f"![{p.stem}]({p.as_posix()})" for p in plots)]
+    return "\n".join(lines)
+
+
+def _engines_md(e: dict) -> list[str]:
+    lines = ["", "### 1. Paged engine vs the naive `hf` worker, same gateway", "",
+             f"Random prompts of {e['input_len']} tokens, {e['output_len']} output tokens (`ignore_eos`), "
+             "max(8, 2 × concurrency) requests per level, streamed.", "",
+             "| concurrency | paged req/s | paged out tok/s | paged TTFT p99 ms | hf req/s | hf out tok/s | "
+             "hf TTFT p99 ms | paged ÷ hf |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c, p, h in zip(e["levels"], e["paged"], e["hf"]):
+        lines.append(f"| {c} | {p['request_throughput']:.2f} | {p['output_throughput']:.0f} | {p['p99_ttft_ms']:.0f} | "
+                     f"{h['request_throughput']:.2f} | {h['output_throughput']:.0f} | {h['p99_ttft_ms']:.0f} | "
+                     f"{_fmt(_ratio(p['output_throughput'], h['output_throughput']), 1)}× |")
+    return lines
+
+
+def _gateways_md(g: dict) -> list[str]:
+    lines = ["", "### 2. Gateway overhead, synthetic engine", "",
+             "The synthetic engine (`--engine synthetic`: no model, one fixed token per request per step) served "
+             "three ways: **baseline**, a bare OpenAI-compatible server around it in one process "
+             "(`kvgate/bench_baseline.py`, bearer-key check); **litellm**, LiteLLM's proxy 1.108.7 (one worker, "
+             "master key, deployment rpm/tpm limit enforced in memory by its `enforce_model_rate_limits` pre-call "
+             "check; key-level limits would need its Postgres) in front of that server; **kvgate**, gateway + "
+             "Redis + one worker, with a key whose rpm/tpm limits are set (counted on every request, never hit). "
+             "One request at a time, the paths taking turns in rounds; 32-token prompts, 16 output tokens.", "",
+             "| mode | path | requests | TTFT p50 ms | TTFT p99 ms | E2EL p50 ms | E2EL p99 ms |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for mode, paths in g["latency"].items():
+        for path, d in paths.items():
+            lines.append(f"| {mode} | {path} | {d['requests']} | {d['ttft']['p50']:.2f} | {d['ttft']['p99']:.2f} | "
+                         f"{d['e2el']['p50']:.2f} | {d['e2el']['p99']:.2f} |")
+    lines += ["", "Added over the baseline (path − baseline), ms:", "",
+              "| measure | path | added p50 | added p99 |", "| --- | --- | ---: | ---: |"]
+    for measure, paths in overheads(g["latency"]).items():
+        for path, v in paths.items():
+            lines.append(f"| {measure} | {path} | {v['p50']:.2f} | {v['p99']:.2f} |")
+    lines += ["", "Highest sustained rate, one process (evenly spaced non-streamed requests at a rate rising ×1.5 "
+              "a level; kept up = no failure, completions ≥ 90% of the offered rate, E2EL p99 ≤ 1 s). The "
+              "baseline's figure is also the ceiling of this client on this machine.", "",
+              "| path | highest sustained req/s | levels (offered → completed req/s, E2EL p99 ms) |",
+              "| --- | ---: | --- |"]
+    for path, d in g["ramp"].items():
+        levels = "; ".join(f"{lv['offered']:g} → {lv['achieved']:.0f} ({lv['p99_e2el_ms']:.0f})"
+                           + ("" if lv["kept_up"] else " ✗") for lv in d["levels"])
+        lines.append(f"| {path} | {d['max_sustained_rps']:g} | {levels} |")
+    return lines
+
+
+def _prefix_md(p: dict) -> list[str]:
+    lines = ["", "### 3. Shared-prefix workload, prefix caching on vs off", "",
+             f"4 shared prefixes of {p['prefix_len']} tokens, a unique {p['suffix_len']}-token suffix each, "
+             f"{p['output_len']} output tokens, concurrency {p['concurrency']}, paged engine behind the gateway.", "",
+             "| prefix caching | requests | TTFT p50 ms | TTFT p99 ms | E2EL p50 ms | req/s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for k in ("on", "off"):
+        d = p[k]
+        lines.append(f"| {k} | {d['completed']} | {d['p50_ttft_ms']:.1f} | {d['p99_ttft_ms']:.1f} | "
+                     f"{d['p50_e2el_ms']:.1f} | {d['request_throughput']:.2f} |")
+    return lines
+
+
+def _mix_md(m: dict) -> list[str]:
+    short = m["mixed"]["by_label"]["short"]
+    long_ = m["mixed"]["by_label"].get("long", {})
+    return ["", "### 4. Short requests while long prompts arrive", "",
+            f"Short: {m['mix_short_input']}-token prompts, {m['mix_short_output']} output tokens, Poisson at "
+            f"{m['short_rate']:g} req/s. Mix: the same short stream plus long prompts of {m['mix_long_input']} tokens "
+            f"({m['mix_long_output']} output tokens), {m['mix_long_fraction']:.0%} of a {m['rate']:g} req/s Poisson stream.", "",
+            "| run | class | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |", "| --- | --- | --- | ---: | ---: | ---: |",
+            f"| alone | short | {m['alone']['completed']} | {m['alone']['p50_ttft_ms']:.1f} | {m['alone']['p99_ttft_ms']:.1f} | "
+            f"{m['alone']['p50_tpot_ms']:.2f} |",
+            f"| mix | short | {short['completed']} | {short['p50_ttft_ms']:.1f} | {short['p99_ttft_ms']:.1f} | "
+            f"{short['p50_tpot_ms']:.2f} |",
+            f"| mix | long | {long_.get('completed', 0)} | {long_.get('p50_ttft_ms', 0):.1f} | "
+            f"{long_.get('p99_ttft_ms', 0):.1f} | {long_.get('p50_tpot_ms', 0):.2f} |"]
+
+
+def _added_md(a: dict) -> list[str]:
+    return ["", "### TTFT added by gateway + Redis", "",
+            f"{a['requests']} prompts of 32 tokens, one at a time, streamed through the stack (paged engine); "
+            "the same prompts on the same engine built the worker's way in the benchmark's own process "
+            "(tokenize → add_request → step until the first token).", "",
+            "| path | TTFT p50 ms | TTFT p99 ms |", "| --- | ---: | ---: |",
+            f"| in-process engine | {a['inprocess']['p50']:.2f} | {a['inprocess']['p99']:.2f} |",
+            f"| gateway + Redis + worker | {a['gateway']['p50']:.2f} | {a['gateway']['p99']:.2f} |",
+            f"| added | {a['added_p50_ms']:.2f} | {a['added_p99_ms']:.2f} |"]
