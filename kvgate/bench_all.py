@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import os
 import sys
 import time
@@ -228,7 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--docs", default="docs", help="where performance.md and perf/ are written")
     ap.add_argument("--litellm-venv", default="bench-out/litellm-venv")
     ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--from-results", help="only rewrite the report from a run's results.json")
     args = ap.parse_args(argv)
+    if args.from_results:
+        results = json.loads(Path(args.from_results).read_text())
+        write_report(results, Path(args.docs), quick=results.get("quick", False))
+        return 0
     started = time.monotonic()
     sizes = Sizes.quick() if args.quick else Sizes()
     os.environ["OMP_NUM_THREADS"] = str(sizes.torch_threads)  # before torch loads here or in a child
@@ -246,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     results["mix"], results["ttft_added"] = results.pop("mix_added")
     results["sizes"] = sizes.__dict__
     results["elapsed_s"] = time.monotonic() - started
+    results["quick"] = args.quick
+    (procs.log_dir / "results.json").write_text(json.dumps(results) + "\n")  # raw, for --from-results
     write_report(results, Path(args.docs), quick=args.quick)
     return 0
 

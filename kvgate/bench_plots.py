@@ -13,6 +13,12 @@ def _pyplot():
     return plt
 
 
+def matplotlib_ticker():
+    import matplotlib.ticker
+
+    return matplotlib.ticker
+
+
 def ttft_cdf(series: dict[str, list[float]], path: Path, title: str = "TTFT CDF") -> Path:
     """One empirical CDF line per named list of TTFTs (ms)."""
     import numpy as np
@@ -24,6 +30,8 @@ def ttft_cdf(series: dict[str, list[float]], path: Path, title: str = "TTFT CDF"
             xs = np.sort(np.asarray(values))
             ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), where="post", label=name)
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib_ticker().ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib_ticker().NullFormatter())
     ax.set(xlabel="TTFT (ms, log scale)", ylabel="fraction of requests", title=title, ylim=(0, 1.01))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -46,16 +54,21 @@ def against_concurrency(series: dict[str, tuple[list[int], list[float]]], ylabel
     return _save(fig, path)
 
 
-def bars(values: dict[str, float], ylabel: str, path: Path, title: str) -> Path:
+def grouped_bars(groups: dict[str, dict[str, float]], ylabel: str, path: Path, title: str) -> Path:
+    """Side-by-side bars: one group per key of `groups`, one bar per series inside it."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
-    names = list(values)
-    ax.bar(names, [values[n] for n in names], color="tab:blue")
-    for i, n in enumerate(names):
-        ax.annotate(f"{values[n]:.3g}", (i, values[n]), ha="center", va="bottom", fontsize=8)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    series = list(dict.fromkeys(name for g in groups.values() for name in g))
+    width = 0.8 / max(1, len(series))
+    for j, name in enumerate(series):
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
+        ys = [g.get(name, 0.0) for g in groups.values()]
+        bars = ax.bar(xs, ys, width, label=name)
+        ax.bar_label(bars, fmt="%.3g", fontsize=8)
+    ax.set_xticks(range(len(groups)), list(groups))
     ax.set(ylabel=ylabel, title=title)
-    ax.tick_params(axis="x", labelsize=8)
     ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 

@@ -98,9 +98,10 @@ def make_plots(r: dict, perf: Path) -> list[Path]:
         bench_plots.against_concurrency({e: (levels, [x["p99_ttft_ms"] for x in eng[e]]) for e in ("paged", "hf")},
                                         "TTFT p99 (ms)", perf / "engines_ttft_p99.png", "TTFT p99 against concurrency",
                                         log_y=True),
-        bench_plots.bars({f"{path}\n{measure}": v["p50"] for measure, d in overheads(gw["latency"]).items()
-                          for path, v in d.items()}, "added latency p50 (ms)", perf / "gateway_overhead.png",
-                         "Latency added over the bare server (p50)"),
+        bench_plots.grouped_bars({measure: {path: v["p50"] for path, v in d.items()}
+                                  for measure, d in overheads(gw["latency"]).items()},
+                                 "added latency p50 (ms)", perf / "gateway_overhead.png",
+                                 "Latency added over the bare server (p50)"),
         _ramp_plot(gw["ramp"], perf / "gateway_ramp.png"),
         bench_plots.ttft_cdf({f"prefix caching {k}": r["prefix"][k]["ttfts_ms"] for k in ("on", "off")},
                              perf / "prefix_ttft_cdf.png", "Shared-prefix workload: TTFT CDF"),
