@@ -153,6 +153,18 @@ def markdown(r: dict, figs: dict, plots: list[Path], quick: bool) -> str:
     lines += _engines_md(r["engines"]) + _gateways_md(r["gateways"]) + _prefix_md(r["prefix"])
     lines += _mix_md(r["mix"]) + _added_md(r["ttft_added"])
     lines += ["", " ".join(f"![{p.stem}]({p.as_posix()})" for p in plots)]
+    lines += ["", "### Measuring a server yourself", "",
+              "`kvgate bench serve` is the client all of the above used; it talks to any OpenAI-compatible "
+              "`/v1/completions` (URL, key and tokenizer default to what `kvgate up` wrote in `.kvgate/`):", "",
+              "```sh",
+              "kvgate bench serve --dataset random --num-prompts 200 --request-rate 20 --slo-ttft-ms 200 --slo-tpot-ms 50",
+              "kvgate bench serve --dataset shared-prefix --sweep 1,4,16,64 --out run.json --plots plots/",
+              "kvgate bench serve --dataset long-short --max-concurrency 16 --long-input-len 1024 --long-fraction 0.25",
+              "kvgate up --engine synthetic   # no model: fixed tokens, for load tests of the serving path only",
+              "```", "",
+              "It prints a table, writes JSON (`--out`: every run's TTFT/TPOT/ITL/E2EL mean, median, std, p50/p90/p99 "
+              "in ms, request and token throughput, goodput under the `--slo-*` given, per-class figures for mixed "
+              "datasets) and PNGs (`--plots`: TTFT CDF; with `--sweep`, throughput and TTFT p99 against concurrency)."]
     return "\n".join(lines)
 
 
