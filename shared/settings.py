@@ -29,6 +29,8 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
+    worker_stale_s: float = Field(3.0, gt=0, description="A worker whose last heartbeat is older "
+                                  "gets no canary-routed traffic (failover to another version)")
 
 
 class WorkerSettings(CommonSettings):
@@ -48,3 +50,11 @@ class WorkerSettings(CommonSettings):
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL")
     worker_id: str = Field(default_factory=lambda: secrets.token_hex(6), description="Consumer name")
+    fault_error_rate: float = Field(0.0, ge=0, le=1, description="Tests only: share of requests "
+                                    "answered with an engine error")
+    fault_latency_ms: float = Field(0.0, ge=0, description="Tests only: delay before admitting a "
+                                    "request (so before its first token)")
+
+
+class ServicesSettings(CommonSettings):
+    canary_check_s: float = Field(10.0, gt=0, description="How often Celery beat runs the canary check")

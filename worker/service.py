@@ -15,6 +15,7 @@ import redis
 from shared import names, protocol
 from shared.settings import WorkerSettings
 from worker.engine.types import EngineRejected, RequestOutput, SamplingParams
+from worker.faults import Faults
 
 log = logging.getLogger("kvgate.worker")
 
@@ -59,6 +60,7 @@ class WorkerService:
         self.active: dict[str, Active] = {}
         self.cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
+        self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms)
         self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
                          "requests_rejected": 0}
 
@@ -121,6 +123,10 @@ class WorkerService:
         if time.time() > entry.deadline:
             self._fail(entry_id, entry, "timeout", "request deadline passed before a worker started it")
             return
+        if self.faults.should_fail():
+            self._fail(entry_id, entry, "engine_error", "injected fault (--fault-error-rate)")
+            return
+        self.faults.delay()
         try:
             prompt_ids = self._prompt_ids(entry)
             room = self.engine.max_model_len - len(prompt_ids)
