@@ -37,11 +37,13 @@ class Sizes:
     w1_output: tuple[int, int] = (32, 256)
     w2_requests: int = 32
     w2_prefix: int = 1024
+    w2_output: int = 32
     w3_reserved_seqs: int = 4  # the KV budget, in max_model_len-long sequences
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(w1_requests=16, w1_output=(8, 32), w2_requests=8, w2_prefix=512, w3_reserved_seqs=1)
+        return cls(w1_requests=12, w1_prompt=(16, 64), w1_output=(8, 24), w2_requests=6, w2_prefix=512,
+                   w2_output=4, w3_reserved_seqs=1)
 
 
 def build_model(path: Path) -> Path:
@@ -168,7 +170,7 @@ def workload_2(model_dir: Path, sizes: Sizes) -> dict:
     out = {}
     for caching in (True, False):
         engine = LLMEngine.from_model_dir(model_dir, enable_prefix_caching=caching)
-        ttfts = [_ttft(engine, str(i), p) for i, p in enumerate(prompts)]
+        ttfts = [_ttft(engine, str(i), p, sizes.w2_output) for i, p in enumerate(prompts)]
         out["on" if caching else "off"] = statistics.median(ttfts)
         if caching:
             stats = engine.stats()
@@ -177,10 +179,10 @@ def workload_2(model_dir: Path, sizes: Sizes) -> dict:
             "ttft_p50_off_s": out["off"], "ttft_ratio": out["on"] / out["off"], "hit_rate": out["hit_rate"]}
 
 
-def _ttft(engine: LLMEngine, request_id: str, prompt: list[int]) -> float:
+def _ttft(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> float:
     """Seconds to the first token; then the request runs to its end before the next one starts."""
     start = time.perf_counter()
-    engine.add_request(request_id, prompt, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
     first = None
     while engine.has_unfinished():
         outs = engine.step()

@@ -187,6 +187,8 @@ def _native_kernel(head_dim: int) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("CPU decode kernel unavailable (%s): using the torch gather path", exc)
         return None
+    finally:
+        shutil.rmtree(out, ignore_errors=True)  # a loaded library no longer needs its file
     lib.paged_decode_f32.restype = None
     lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
     return lib
