@@ -52,7 +52,7 @@ async def update_key(key: str, body: KeyUpdate, request: Request) -> KeyRecord:
     if "expires_in" in changes:
         seconds = changes.pop("expires_in")
         changes["expires"] = time.time() + seconds if seconds else None
-    for field in ("name", "role", "models", "cache_isolation", "metadata"):
+    for field in ("name", "role", "models", "cache_isolation", "version_override", "metadata"):
         if field in changes and changes[field] is None:
             raise InvalidRequest(f"{field} cannot be null", param=field)
     return await store.save(old, old.model_copy(update=changes))

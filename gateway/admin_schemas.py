@@ -37,6 +37,7 @@ class KeyUpdate(BaseModel):
     daily_tokens: int | None = Field(None, ge=1)
     cache_isolation: bool | None = None
     canary_cohort: str | None = None
+    version_override: bool | None = None
     metadata: dict[str, str] | None = None
 
 

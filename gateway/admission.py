@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from gateway.auth import authenticate
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
+from gateway.routing import Outcome
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -28,6 +29,7 @@ class Lease:
     model: str | None = None
     version: str | None = None  # set once dispatched: from then on the request counts as usage
     usage: dict | None = None  # the `usage` the client received
+    outcome: Outcome | None = None  # timings and ending, for the canary analysis
 
     def charged_tokens(self) -> int:
         """Actual tokens when the request finished; nothing if it never reached a worker; else the
@@ -64,6 +66,8 @@ async def settle(request: Request, lease: Lease) -> None:
             await state.limits.settle_tokens(lease.reservation, lease.charged_tokens())
         if lease.version is not None:
             await state.usage.record(lease.key.id, lease.model, lease.version, lease.usage)
+        if lease.outcome is not None:
+            await state.router.record(lease.outcome)
     except Exception as exc:  # Redis trouble must not turn a served response into an error
         log.warning("could not settle usage of key %s: %s", lease.key.id, type(exc).__name__)
     finally:

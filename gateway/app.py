@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse
 
 from gateway import errors
 from gateway.admin_api import router as admin_router
+from gateway.canary_api import router as canary_router
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
@@ -17,6 +18,7 @@ from gateway.limits import Limits
 from gateway.openai_api import router as openai_router
 from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.registry import Registry
+from gateway.routing import Router
 from gateway.usage import UsageBook
 from shared.settings import GatewaySettings
 
@@ -35,12 +37,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         client = aioredis.Redis(connection_pool=pool)
         app.state.redis = client
         app.state.registry = Registry(client)
+        app.state.router = Router(client, app.state.registry, settings.worker_stale_s)
         app.state.keystore = KeyStore(client, settings.secret.get_secret_value())
         app.state.limits = Limits(client, settings)
         app.state.usage = UsageBook(client, settings.usage_retention_days)
         app.state.dispatcher = Dispatcher(client, settings.gateway_id)
         await app.state.dispatcher.start()
+        await app.state.router.start()
         yield
+        await app.state.router.stop()
         await app.state.dispatcher.stop()
         await client.aclose()
 
@@ -50,6 +55,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
+    app.include_router(canary_router)
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"])
     app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
     app.add_middleware(RateLimitHeaders)

@@ -25,6 +25,8 @@ class KeyLimits(BaseModel):
     daily_tokens: int | None = Field(None, ge=1, description="Tokens per UTC day")
     cache_isolation: bool = Field(False, description="Prefix-cache hits only within this key")
     canary_cohort: str | None = Field(None, description="Canary cohort this key's traffic joins")
+    version_override: bool = Field(False, description="May force a version with the "
+                                   "x-kvgate-version request header")
 
 
 class KeyRecord(KeyLimits):

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway import estimate
 from gateway.admission import Lease, admit, set_ratelimit_headers
 from gateway.dispatch import KEEPALIVE, Handle
+from gateway.routing import VERSION_HEADER, Outcome, observed
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.validation import check_context, check_model_allowed
 from shared import names, protocol
@@ -54,20 +55,21 @@ async def completions(body: CompletionRequest, request: Request, lease: Lease = 
 async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, logprobs: int | None):
     state = request.app.state
     check_model_allowed(lease.key, body.model)
-    version = await state.registry.route(body.model)
+    outcome = await state.router.choose(body.model, lease.key, request.headers.get(VERSION_HEADER))
+    version = outcome.version
     check_context(await state.registry.max_model_len(body.model, version), body.limit(), prompt)
     await _reserve_tokens(request, lease, body, prompt)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version), entry)
-    lease.model, lease.version = body.model, version
-    headers = {"x-kvgate-version": version, "x-request-id": entry.request_id}
+    lease.model, lease.version, lease.outcome = body.model, version, outcome
+    headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     shape = _Shape(kind, entry.request_id, body.model, body.n)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _sse(handle, shape, lease, usage, state.settings.keepalive_s)
+        gen = _sse(handle, shape, lease, usage, state.settings.keepalive_s, outcome)
         return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
-        result = await _collect(handle, shape, state.settings.keepalive_s)
+        result = await _collect(handle, shape, state.settings.keepalive_s, outcome)
     finally:
         handle.close("client_gone")
     lease.usage = result["usage"]
@@ -162,11 +164,11 @@ def _text_logprobs(lps: list[dict] | None) -> dict | None:
             "top_logprobs": [dict(e["top"]) for e in lps]}
 
 
-async def _collect(handle: Handle, shape: _Shape, keepalive_s: float) -> dict:
+async def _collect(handle: Handle, shape: _Shape, keepalive_s: float, outcome: Outcome) -> dict:
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, list] = {}
-    async for reply in handle.replies(keepalive_s):
+    async for reply in observed(handle.replies(keepalive_s), outcome):
         if isinstance(reply, protocol.Delta):
             texts[reply.index] = texts.get(reply.index, "") + reply.text
             if reply.logprobs is not None:
@@ -183,13 +185,13 @@ def _event(obj: Any) -> bytes:
 
 
 async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
-               keepalive_s: float) -> AsyncIterator[bytes]:
+               keepalive_s: float, outcome: Outcome) -> AsyncIterator[bytes]:
     """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
     try:
         if shape.kind == "chat":
             yield _event(shape.chunk(shape.role_choices()))
         try:
-            async for reply in handle.replies(keepalive_s):
+            async for reply in observed(handle.replies(keepalive_s), outcome):
                 if reply is KEEPALIVE:
                     yield b": keep-alive\n\n"
                 elif isinstance(reply, protocol.Delta):

@@ -87,6 +87,8 @@ def limit_options(func):
         click.option("--cache-isolation/--shared-cache", default=None,
                      help="Prefix-cache hits only within this key"),
         click.option("--canary-cohort", help="Canary cohort this key's traffic joins"),
+        click.option("--version-override/--no-version-override", default=None,
+                     help="May force a version with the x-kvgate-version header"),
         click.option("--meta", multiple=True, metavar="K=V", help="Metadata (repeatable)"),
     )):
         func = decorator(func)

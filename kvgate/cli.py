@@ -42,6 +42,10 @@ def demo_model(directory: str) -> None:
 @click.option("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--no-prefix-caching", is_flag=True, default=False)
+@click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
+              help="Tests: answer this share of requests with an engine error")
+@click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
+              help="Tests: wait this long before admitting each request")
 def worker(model, served_name, version_, engine, redis_url, no_prefix_caching, **engine_opts) -> None:
     """Serve MODEL from the stream of (served name, version)."""
     from shared.settings import WorkerSettings
@@ -85,7 +89,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
 @click.option("--state-dir", default=".kvgate", show_default=True,
               help="Where URLs and keys for scripts are written")
 def up(**opts) -> None:
-    """Start Redis, one worker and the gateway on 127.0.0.1; Ctrl-C stops them all."""
+    """Redis, a worker, the gateway and Celery (worker, beat) on 127.0.0.1; Ctrl-C stops all."""
     from kvgate.up import run_up
 
     sys.exit(run_up(**opts))
@@ -114,3 +118,20 @@ from kvgate.admin_cli import keys, usage  # noqa: E402  (commands that talk to t
 
 main.add_command(keys)
 main.add_command(usage)
+
+
+@main.command("celery", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                          "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def celery_(args: tuple[str, ...]) -> None:
+    """Celery for kvgate's services: `kvgate celery worker` runs the tasks, `kvgate celery beat`
+    the schedule (canary checks); further arguments go to celery."""
+    from celery.bin.celery import main as celery_main
+
+    sys.argv = ["celery", "-A", "services.celery_app", *args]
+    sys.exit(celery_main())
+
+
+from kvgate.canary_cli import canary  # noqa: E402  (canary releases, through the admin API)
+
+main.add_command(canary)

@@ -1,4 +1,5 @@
-"""`kvgate up`: the whole system on one machine as child processes, for `make run` and tests."""
+"""`kvgate up`: the whole system on one machine as child processes (Redis, a worker, the gateway,
+Celery worker and beat), for `make run` and tests."""
 from __future__ import annotations
 
 import os
@@ -69,6 +70,14 @@ class Stack:
             self.redis.stop()
 
 
+def spawn_services(stack: Stack, env: dict) -> None:
+    """Celery: a worker for the tasks (one process: `solo` pool) and beat for the schedule."""
+    stack.spawn("celery-worker", ["celery", "worker", "--pool", "solo", "--loglevel", "INFO",
+                                  "--without-gossip", "--without-mingle", "--without-heartbeat"], env)
+    stack.spawn("celery-beat", ["celery", "beat", "--loglevel", "INFO",
+                                "--schedule", str(stack.state / "celerybeat-schedule")], env)
+
+
 def wait_ready(stack: Stack, url: str, key: str, served_name: str) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     headers = {"Authorization": f"Bearer {key}"}
@@ -110,6 +119,7 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir) ->
         stack.spawn("gateway", ["gateway", "--port", str(port), "--redis-url", stack.redis.url],
                     {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
                      "KVGATE_SECRET": server_secret(state)})
+        spawn_services(stack, env)
         url = f"http://127.0.0.1:{port}"
         wait_ready(stack, url, key, served_name)
         _write_state(state, url, stack.redis.url, key, admin_key, model_dir)

@@ -78,3 +78,32 @@ def usage_key(key_id: str, day: str) -> str:
 def usage_day_index(day: str) -> str:
     """Set of the key ids with usage on one UTC day (same TTL as the usage hashes)."""
     return f"{PREFIX}:usagekeys:{day}"
+
+
+# -- canary releases: routes per alias, their events and counters, the analysis window ---------
+CANARY_ROUTES = f"{PREFIX}:routes"  # set of the aliases (served names) that have a route
+
+
+def canary_route(alias: str) -> str:
+    """JSON of one alias's route (stable, canary, weight, steps, thresholds); changed by CAS only."""
+    return f"{PREFIX}:route:{alias}"
+
+
+def canary_events(alias: str) -> str:
+    """List of an alias's last route events (set, advance, promote, rollback ...), newest first,
+    trimmed to a fixed length on every push."""
+    return f"{PREFIX}:canary:events:{alias}"
+
+
+def canary_counters(alias: str) -> str:
+    """Hash counter -> n of one alias: rollbacks, promotions, failovers, rescued entries."""
+    return f"{PREFIX}:canary:counts:{alias}"
+
+
+def canary_window(alias: str, version: str, bucket: int) -> str:
+    """Hash of what one version served in one time bucket (requests, errors, TTFT and TPOT
+    histograms); its TTL is the route's analysis window, so the window slides by itself."""
+    return f"{PREFIX}:canary:win:{alias}:{version}:{bucket}"
+
+
+CELERY_PREFIX = f"{PREFIX}:celery:"  # every key Celery (broker, beat) keeps in Redis starts so

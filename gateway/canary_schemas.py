@@ -1,0 +1,62 @@
+"""Request and response bodies of /admin/canary."""
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from shared.canary import Event, Route, Thresholds
+from shared.canary_stats import VersionStats
+
+
+class CanarySet(BaseModel):
+    """Put a version on trial under an alias (replacing any canary there)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    version: str = Field(description="The canary version (a worker must have served it once)")
+    stable: str | None = Field(None, description="Default: the route's stable, else the one other "
+                               "version of the alias")
+    weight: float | None = Field(None, ge=0, le=100, description="Percent of keys to the canary; "
+                                 "default: the first step, else 0 (cohorts only)")
+    steps: list[float] = Field(default_factory=list, description="Ascending weights in (0, 100]")
+    interval_s: int | None = Field(None, ge=1, description="Seconds between steps (needed with steps)")
+    cohorts: dict[str, str] = Field(default_factory=dict, description="Cohort -> version pins")
+    thresholds: Thresholds = Field(default_factory=Thresholds)
+
+    @field_validator("steps")
+    @classmethod
+    def _ascending(cls, steps: list[float]) -> list[float]:
+        if any(not 0 < s <= 100 for s in steps) or steps != sorted(set(steps)):
+            raise ValueError("steps must be distinct, ascending, each in (0, 100]")
+        return steps
+
+    @model_validator(mode="after")
+    def _interval(self) -> "CanarySet":
+        if self.steps and self.interval_s is None:
+            raise ValueError("interval_s is needed with steps")
+        return self
+
+
+class CanaryRollback(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str = Field("rolled back by an admin", max_length=500)
+
+
+class VersionObserved(VersionStats):
+    role: str = Field(description="stable or canary")
+    configured_share: float = Field(description="Percent of keys the route sends here")
+    observed_share: float | None = Field(None, description="Percent of the window's requests "
+                                         "served here")
+    live_workers: int
+
+
+class CanaryStatus(BaseModel):
+    route: Route
+    versions: dict[str, VersionObserved]
+    counters: dict[str, int] = Field(description="rollbacks, manual_rollbacks, promotions, "
+                                     "failovers, rescued")
+    events: list[Event] = Field(description="The last events, newest first")
+
+
+class RouteList(BaseModel):
+    data: list[Route]

@@ -1,0 +1,196 @@
+"""Which version of a served name serves a request: the `x-kvgate-version` header (admin keys and
+keys marked for it), else the alias's canary route (the key's cohort, else its sticky bucket), else
+the newest live version; then failover to a route version that has a live worker.
+
+Routes are cached for half a second per process, so a change reaches every gateway within a second.
+A worker counts as live here while its last heartbeat is younger than `worker_stale_s`, so a
+killed canary stops getting traffic seconds after it died, not when its registry entry expires.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from gateway.keys import KeyRecord
+from gateway.registry import Registry
+from shared import canary_stats, names, protocol
+from shared.canary import Route, RouteStore, assign
+from shared.errors import KvgateError, NotFound, Overloaded, PermissionDenied
+
+log = logging.getLogger("kvgate.gateway")
+VERSION_HEADER = "x-kvgate-version"
+ROUTE_CACHE_S = 0.5
+SWEEP_S = 1.0
+RESCUER = "kvgate-rescuer"  # consumer name the gateway reads stranded entries under
+
+
+@dataclass
+class Outcome:
+    """One request as the gateway saw it, for the canary analysis: when its tokens came, how it
+    ended. `ok` stays None when it ended by no fault of the version (client left, bad input)."""
+
+    alias: str
+    version: str
+    window_s: int | None  # the route's window; None: the alias has no route, nothing is recorded
+    start: float = field(default_factory=time.monotonic)
+    first: float | None = None
+    last: float | None = None
+    tokens: dict[int, int] = field(default_factory=dict)
+    ok: bool | None = None
+
+    def saw(self, reply) -> None:
+        if isinstance(reply, protocol.Delta):
+            self.last = time.monotonic()
+            self.first = self.first or self.last
+            self.tokens[reply.index] = self.tokens.get(reply.index, 0) + len(reply.token_ids)
+        elif isinstance(reply, protocol.Done):
+            self.ok = True
+
+    def failed(self, exc: KvgateError) -> None:
+        if exc.status >= 500:
+            self.ok = False
+
+    def ttft_ms(self) -> float | None:
+        return None if self.first is None else (self.first - self.start) * 1000
+
+    def tpot_ms(self) -> float | None:
+        n = max(self.tokens.values(), default=0)
+        return None if n < 2 else (self.last - self.first) * 1000 / (n - 1)
+
+
+async def observed(replies: AsyncIterator, outcome: Outcome) -> AsyncIterator:
+    """The replies, passed on as they come, noted on `outcome` on the way."""
+    try:
+        async for reply in replies:
+            outcome.saw(reply)
+            yield reply
+    except KvgateError as exc:
+        outcome.failed(exc)
+        raise
+
+
+class Router:
+    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float):
+        self.redis = redis
+        self.registry = registry
+        self.stale_s = stale_s
+        self.store = RouteStore(redis)
+        self._routes: dict[str, tuple[float, Route | None]] = {}
+        self._sweeper: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._sweeper = asyncio.create_task(self._sweep_forever())
+
+    async def stop(self) -> None:
+        if self._sweeper:
+            self._sweeper.cancel()
+
+    async def route_of(self, alias: str) -> Route | None:
+        cached = self._routes.get(alias)
+        if cached is not None and time.monotonic() - cached[0] < ROUTE_CACHE_S:
+            return cached[1]
+        route = await self.store.get(alias)
+        self._routes[alias] = (time.monotonic(), route)
+        return route
+
+    async def live_workers(self, alias: str) -> list[dict]:
+        fresh = time.time() - self.stale_s
+        return [w for w in await self.registry.live_workers()
+                if w["served_name"] == alias and w.get("ts", 0) >= fresh]
+
+    async def live_versions(self, alias: str) -> set[str]:
+        return {w["version"] for w in await self.live_workers(alias)}
+
+    async def choose(self, alias: str, key: KeyRecord, forced: str | None = None) -> Outcome:
+        """The version for this request, as the Outcome that will record how it went."""
+        route = await self.route_of(alias)
+        if forced is not None:
+            version = await self._forced(alias, key, forced)
+        elif route is None:
+            version = await self.registry.route(alias)
+        else:
+            version = await self._failover(route, assign(route, key.id, key.canary_cohort))
+        return Outcome(alias, version, route.thresholds.window_s if route else None)
+
+    async def _forced(self, alias: str, key: KeyRecord, version: str) -> str:
+        if key.role != "admin" and not key.version_override:
+            raise PermissionDenied(f"This API key may not choose a version ({VERSION_HEADER})",
+                                   param=VERSION_HEADER, code="version_override_not_allowed")
+        if version in await self.live_versions(alias):
+            return version
+        if not await self.redis.hexists(names.model_versions_key(alias), version):
+            raise NotFound(f"The model '{alias}' has no version '{version}'", param=VERSION_HEADER)
+        raise Overloaded(f"No live worker serves '{alias}' version '{version}' right now; retry "
+                         "shortly", param=VERSION_HEADER, retry_after=2)
+
+    async def _failover(self, route: Route, wanted: str) -> str:
+        live = await self.live_versions(route.alias)
+        if wanted in live:
+            return wanted
+        for version in route.versions():
+            if version in live:
+                await self.store.count(route.alias, "failovers")
+                return version
+        raise Overloaded(f"No live worker serves '{route.alias}' right now; retry shortly",
+                         param="model", retry_after=2)
+
+    async def record(self, outcome: Outcome) -> None:
+        """Adds a finished request to its version's window (only for aliases with a route)."""
+        if outcome.window_s is None or outcome.ok is None:
+            return
+        await canary_stats.record(self.redis, outcome.alias, outcome.version, outcome.window_s,
+                                  outcome.ok, outcome.ttft_ms(), outcome.tpot_ms())
+
+    # -- stranded entries ----------------------------------------------------------------------
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis away: try again next time
+                log.debug("canary sweep failed: %s", type(exc).__name__)
+
+    async def sweep(self) -> int:
+        """Requests queued for a route version whose workers all died (before any of them read
+        the entries) move to a version that is live, so no client waits on a stream nobody reads.
+        Entries a dead worker had already read are left for the crash-recovery path."""
+        moved = 0
+        for alias, (_, route) in list(self._routes.items()):
+            if route is None:
+                continue
+            live = await self.live_versions(alias)
+            target = next((v for v in route.versions() if v in live), None)
+            for dead in (v for v in route.versions() if v not in live):
+                if target is not None:
+                    moved += await self._rescue(alias, dead, target)
+        return moved
+
+    async def _rescue(self, alias: str, dead: str, target: str) -> int:
+        src = names.request_stream(alias, dead)
+        try:
+            reply = await self.redis.xreadgroup(names.CONSUMER_GROUP, RESCUER, {src: ">"}, count=100)
+        except ResponseError:  # no group: no worker of that version ever started
+            return 0
+        entries = reply[0][1] if reply else []
+        if not entries:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for entry_id, fields in entries:
+            entry = protocol.decode_entry(fields[protocol.ENTRY_FIELD])
+            moved = entry.model_copy(update={"version": target})
+            pipe.xadd(names.request_stream(alias, target), {protocol.ENTRY_FIELD: protocol.encode(moved)})
+            pipe.xack(src, names.CONSUMER_GROUP, entry_id)
+            pipe.xdel(src, entry_id)
+        pipe.hincrby(names.canary_counters(alias), "rescued", len(entries))
+        await pipe.execute()
+        log.warning("moved %d queued request(s) of %s:%s (no live worker) to %s", len(entries),
+                    alias, dead, target)
+        return len(entries)

@@ -1,0 +1,35 @@
+"""The Celery app of kvgate's services: periodic checks and background jobs, with Redis (the one
+every process already meets at) as the broker. Task modules are listed in TASK_MODULES, periodic
+ones in the beat schedule; each task is a thin wrapper around a plain function tests call directly.
+
+Run through the console script: `kvgate celery worker` and `kvgate celery beat` (`kvgate up` starts
+both).
+"""
+from __future__ import annotations
+
+from celery import Celery
+
+from shared import names
+from shared.settings import ServicesSettings
+
+TASK_MODULES = ["services.canary_tasks"]
+
+
+def create_app(settings: ServicesSettings | None = None) -> Celery:
+    settings = settings or ServicesSettings()
+    app = Celery("kvgate", broker=settings.redis_url, include=TASK_MODULES)
+    app.conf.update(
+        broker_transport_options={"global_keyprefix": names.CELERY_PREFIX},
+        broker_connection_retry_on_startup=True,
+        task_ignore_result=True,
+        beat_schedule={
+            "canary-check": {"task": "kvgate.canary.check", "schedule": settings.canary_check_s,
+                             # a check that could not run in its own period is superseded by the next
+                             "options": {"expires": settings.canary_check_s}},
+        },
+    )
+    app.kvgate_settings = settings
+    return app
+
+
+app = create_app()
