@@ -192,10 +192,11 @@ def _ttft(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int
 
 
 def workload_3(model_dir: Path, sizes: Sizes) -> dict:
+    from worker.models.loader import read_model_config
+
     max_len = 2048
-    probe = LLMEngine.from_model_dir(model_dir, num_blocks=1)
-    token_bytes = probe.runner._block_bytes(probe.model_config) // probe.config.block_size
-    del probe
+    cfg = read_model_config(model_dir)
+    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32
     budget = sizes.w3_reserved_seqs * max_len * token_bytes
     engine = LLMEngine.from_model_dir(model_dir, kv_cache_memory=budget, max_model_len=max_len, max_num_seqs=256)
     samples = {"peak": 0, "live": 0, "allocated": 0}
