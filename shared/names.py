@@ -107,3 +107,8 @@ def canary_window(alias: str, version: str, bucket: int) -> str:
 
 
 CELERY_PREFIX = f"{PREFIX}:celery:"  # every key Celery (broker, beat) keeps in Redis starts so
+
+
+def checkpoint_key(request_id: str) -> str:
+    """List of every reply published for a request, in order (TTL): the resume and gap log."""
+    return f"{PREFIX}:ckpt:{request_id}"

@@ -15,7 +15,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import check_finish
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import EngineRejected, RequestOutput, SamplingParams, TokenLogprob
+from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.loader import read_model_config
 
 
@@ -48,14 +48,20 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    resume: Resume | None = None) -> None:
         self._check_admission(prompt_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)]
+        resume = resume or Resume()
+        seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)
+                if i not in resume.finished]
         for seq in seqs:
             seq.detokenizer = IncrementalDetokenizer(
                 self._tokenizer, seq.prompt_ids, params.stop, params.include_stop_str_in_output)
+            for token in resume.output_ids.get(seq.index, []):  # one at a time, as first released
+                seq.append_token(token)
+                seq.detokenizer.add([token])
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
 

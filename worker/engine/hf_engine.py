@@ -17,7 +17,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.stopping import check_finish
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import EngineRejected, RequestOutput, SamplingParams, TokenLogprob
+from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -74,7 +74,8 @@ class HFEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    resume: Resume | None = None) -> None:
         if not prompt_ids:
             raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
         if len(prompt_ids) + params.max_tokens > self._max_model_len:
@@ -82,8 +83,11 @@ class HFEngine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self._max_model_len} tokens"
             )
+        resume = resume or Resume()
         for index in range(params.n):
-            self.waiting.append(_Choice(request_id, index, list(prompt_ids), params))
+            if index not in resume.finished:
+                done = list(resume.output_ids.get(index, []))
+                self.waiting.append(_Choice(request_id, index, list(prompt_ids), params, done))
 
     def abort(self, request_id: str) -> None:
         """Drop the request's choices; each unfinished one reports finish_reason "abort" next step."""
@@ -123,6 +127,8 @@ class HFEngine:
         choice.detokenizer = IncrementalDetokenizer(
             self._tokenizer, choice.prompt_ids, params.stop, params.include_stop_str_in_output
         )
+        for token in choice.output_ids:  # a resumed choice: replay as first released
+            choice.detokenizer.add([token])
         return choice
 
     def _advance(self, choice: _Choice) -> RequestOutput:
@@ -139,7 +145,8 @@ class HFEngine:
     @torch.inference_mode()
     def _forward(self, choice: _Choice) -> torch.Tensor:
         """Logits [1, V] for the next token; the cache carries everything before the new input."""
-        new_ids = choice.output_ids[-1:] if choice.output_ids else choice.prompt_ids
+        first = choice.cache.get_seq_length() == 0  # prompt (+ tokens sent before a takeover)
+        new_ids = choice.prompt_ids + choice.output_ids if first else choice.output_ids[-1:]
         input_ids = torch.tensor([new_ids], device=self.model.device)
         cache_kw = {self._cache_arg: choice.cache}  # the DynamicCache grows in place
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kw)

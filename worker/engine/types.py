@@ -53,12 +53,22 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far for this choice
 
 
+@dataclass
+class Resume:
+    """Where a request taken over from a dead worker continues: the tokens each choice already
+    sent, re-prefilled with the prompt; seeded draws continue at the same counters."""
+
+    output_ids: dict[int, list[int]] = field(default_factory=dict)  # choice index → emitted ids
+    finished: set[int] = field(default_factory=set)  # choices that already ended
+
+
 class EngineRejected(ValueError):
     """A request that can never run (too long for the model or the KV pool); message names numbers."""
 
 
 class Engine(Protocol):
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    resume: Resume | None = None) -> None: ...
 
     def abort(self, request_id: str) -> None: ...
 

@@ -1,0 +1,32 @@
+"""Takeover: claim the pending entries of workers whose heartbeat lapsed, so no request is lost.
+
+XPENDING lists who owns what and for how long; only entries idle longer than the heartbeat TTL
+whose owner has no live registry entry are claimed (XCLAIM), so a live worker's long request is
+never stolen just because it has been running for a while.
+"""
+from __future__ import annotations
+
+import redis
+
+from shared import names, protocol
+
+
+def claim_orphans(client: redis.Redis, stream: str, me: str, min_idle_ms: int,
+                  count: int) -> list[tuple[bytes, bytes]]:
+    if count <= 0:
+        return []
+    pending = client.xpending_range(stream, names.CONSUMER_GROUP, min="-", max="+",
+                                    count=max(count * 4, 32), idle=min_idle_ms)
+    owners = {p["consumer"] for p in pending if _name(p["consumer"]) != me}
+    dead = {o for o in owners if not client.exists(names.worker_key(_name(o)))}
+    ids = [p["message_id"] for p in pending if p["consumer"] in dead][:count]
+    if not ids:
+        return []
+    claimed = client.xclaim(stream, names.CONSUMER_GROUP, me, min_idle_time=min_idle_ms,
+                            message_ids=ids)
+    return [(entry_id, fields[protocol.ENTRY_FIELD]) for entry_id, fields in claimed
+            if fields and protocol.ENTRY_FIELD in fields]
+
+
+def _name(consumer: bytes | str) -> str:
+    return consumer.decode() if isinstance(consumer, bytes) else consumer
