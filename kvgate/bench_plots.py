@@ -46,8 +46,12 @@ def against_concurrency(series: dict[str, tuple[list[int], list[float]]], ylabel
     for name, (xs, ys) in series.items():
         ax.plot(xs, ys, marker="o", label=name)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted({x for xs, _ in series.values() for x in xs}))
+    ax.xaxis.set_major_formatter(matplotlib_ticker().ScalarFormatter())
     if log_y:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib_ticker().ScalarFormatter())
+        ax.yaxis.set_minor_formatter(matplotlib_ticker().NullFormatter())
     ax.set(xlabel="concurrency (requests in flight)", ylabel=ylabel, title=title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
