@@ -48,7 +48,10 @@ class WorkerSettings(CommonSettings):
     gpu_memory_utilization: float = Field(0.9, description="Share of GPU memory to use on CUDA")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
-    heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL")
+    heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
+                                   "worker's requests stay unclaimed")
+    drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish in-flight "
+                                 "requests before leaving the rest for other workers")
     worker_id: str = Field(default_factory=lambda: secrets.token_hex(6), description="Consumer name")
     fault_error_rate: float = Field(0.0, ge=0, le=1, description="Tests only: share of requests "
                                     "answered with an engine error")

@@ -27,7 +27,9 @@ class Checkpoint:
         return self.last_seq == 0
 
     def fold(self, reply: protocol.Delta | protocol.Done | protocol.ErrorReply) -> None:
-        self.last_seq = max(self.last_seq, reply.seq)
+        if reply.seq <= self.last_seq:  # a pipeline retried after a dropped connection
+            return
+        self.last_seq = reply.seq
         if isinstance(reply, protocol.Delta):
             self.tokens.setdefault(reply.index, []).extend(reply.token_ids)
             self.text[reply.index] = self.text.get(reply.index, "") + reply.text

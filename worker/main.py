@@ -42,6 +42,6 @@ def run_worker(s: WorkerSettings) -> None:
     logging.basicConfig(level=s.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     engine = build_engine(s)
     service = WorkerService(s, engine, engine.tokenizer)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: service.stop())
+    signal.signal(signal.SIGTERM, lambda *_: service.drain())  # finish in-flight, then exit
+    signal.signal(signal.SIGINT, lambda *_: service.stop())
     service.run()

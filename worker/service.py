@@ -1,5 +1,6 @@
-"""The worker service: pulls request entries from its Redis stream, runs them on an engine, and
-publishes every delta to the entry's reply channel. The engine knows nothing of Redis; this does.
+"""The worker service: pulls request entries from its Redis stream (and orphans of dead workers),
+runs them on an engine, and publishes every delta to the entry's reply channel, with a checkpoint
+log that lets another worker resume the request. The engine knows nothing of Redis; this does.
 """
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ import redis
 
 from shared import names, protocol
 from shared.settings import WorkerSettings
-from worker.engine.types import EngineRejected, RequestOutput, SamplingParams
+from worker import checkpoint
+from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams
 from worker.faults import Faults
+from worker.replies import Outbox
+from worker.takeover import claim_orphans
 
 log = logging.getLogger("kvgate.worker")
+REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 
 
 @dataclass
@@ -41,7 +46,8 @@ def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) ->
     """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
     p = entry.params
     return SamplingParams(
-        max_tokens=p.max_tokens if p.max_tokens is not None else max(1, default_max_tokens), temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+        max_tokens=p.max_tokens if p.max_tokens is not None else max(1, default_max_tokens),
+        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
         min_p=p.min_p, seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
         presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
         repetition_penalty=p.repetition_penalty, logprobs=p.logprobs, ignore_eos=p.ignore_eos,
@@ -55,19 +61,24 @@ class WorkerService:
         self.s = settings
         self.engine = engine
         self.tokenizer = tokenizer
-        self.redis = redis.Redis.from_url(settings.redis_url)
+        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                          socket_timeout=10, health_check_interval=10)
         self.stream = names.request_stream(settings.served_name, settings.version)
+        self.outbox = Outbox(self.redis, self.stream)
         self.active: dict[str, Active] = {}
+        self.backlog: list[tuple[bytes, bytes, bool]] = []  # read but not yet admitted (Redis blip)
         self.cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
+        self.drain_deadline: float | None = None
+        self.last_claim = 0.0
         self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms)
         self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
-                         "requests_rejected": 0}
+                         "requests_rejected": 0, "requests_resumed": 0}
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
-        self._ensure_group()
-        self._register_model()
+        self._until_redis(self._ensure_group)
+        self._until_redis(self._register_model)
         threads = [threading.Thread(target=self._heartbeat_loop, daemon=True, name="heartbeat"),
                    threading.Thread(target=self._cancel_loop, daemon=True, name="cancels")]
         for t in threads:
@@ -76,22 +87,46 @@ class WorkerService:
                  self.s.version, self.stream)
         try:
             while not self.stopping.is_set():
-                self._iteration()
+                try:
+                    self._iteration()
+                except REDIS_DOWN as exc:
+                    log.warning("Redis unreachable (%s); retrying", type(exc).__name__)
+                    time.sleep(0.5)
         finally:
             self._deregister()
 
     def stop(self) -> None:
         self.stopping.set()
 
+    def drain(self) -> None:
+        """Stop pulling; finish in-flight requests within the grace period; leave the rest pending
+        (and deregister) so live workers claim and resume them."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.s.drain_grace_s
+            log.info("draining: %d requests in flight", len(self.active))
+
     def _iteration(self) -> None:
+        if not self.outbox.flush():  # Redis away: keep what we have, step no further
+            time.sleep(0.5)
+            return
         self._apply_cancels()
-        capacity = self.engine.free_capacity()
-        if capacity > 0:
-            busy = self.engine.has_unfinished()
-            for entry_id, raw in self._read(capacity, block_ms=None if busy else 100):
-                self._admit(entry_id, raw)
+        if self.drain_deadline is not None:
+            if not self.active or time.monotonic() > self.drain_deadline:
+                self.stopping.set()
+                return
+        else:
+            self._pull()
         if self.engine.has_unfinished():
-            self._publish(self.engine.step())
+            self._collect(self.engine.step())
+        self.outbox.flush()
+
+    def _until_redis(self, fn) -> None:
+        while not self.stopping.is_set():
+            try:
+                return fn()
+            except REDIS_DOWN as exc:
+                log.warning("waiting for Redis (%s)", type(exc).__name__)
+                time.sleep(1)
 
     # -- stream consumption ----------------------------------------------------------------
     def _ensure_group(self) -> None:
@@ -101,46 +136,82 @@ class WorkerService:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def _pull(self) -> None:
+        """Take only what the engine has room for: backlog, then orphans, then new entries."""
+        room = self.engine.free_capacity()
+        todo, self.backlog = self.backlog[:room], self.backlog[room:]
+        if len(todo) < room and time.monotonic() - self.last_claim >= self.s.heartbeat_s:
+            self.last_claim = time.monotonic()
+            orphans = claim_orphans(self.redis, self.stream, self.s.worker_id,
+                                    int(self.s.heartbeat_ttl_s * 1000), room - len(todo))
+            todo += [(entry_id, raw, True) for entry_id, raw in orphans]
+        if len(todo) < room:
+            idle = not self.engine.has_unfinished() and not todo
+            todo += [(entry_id, raw, False) for entry_id, raw in
+                     self._read(room - len(todo), block_ms=100 if idle else None)]
+        for i, (entry_id, raw, claimed) in enumerate(todo):
+            try:
+                self._admit(entry_id, raw, claimed)
+            except REDIS_DOWN:
+                self.backlog = todo[i:] + self.backlog
+                raise
+
     def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, bytes]]:
-        reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id, {self.stream: ">"},
-                                      count=count, block=block_ms)
+        try:
+            reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
+                                          {self.stream: ">"}, count=count, block=block_ms)
+        except redis.ResponseError as exc:
+            if "NOGROUP" not in str(exc):  # Redis came back empty: recreate the group
+                raise
+            self._ensure_group()
+            return []
         if not reply:
             return []
         return [(entry_id, fields.get(protocol.ENTRY_FIELD, b"")) for entry_id, fields in reply[0][1]]
 
-    def _admit(self, entry_id: bytes, raw: bytes) -> None:
+    def _admit(self, entry_id: bytes, raw: bytes, claimed: bool) -> None:
         try:
             entry = protocol.decode_entry(raw)
         except (protocol.ProtocolError, ValueError) as exc:
             log.warning("dropping malformed entry %s: %s", entry_id, exc)
-            self._ack(entry_id)
+            self.outbox.ack(entry_id)
             return
         rid = entry.request_id
         if self.redis.exists(names.cancelled_key(rid)):
-            self._ack(entry_id)
+            self.outbox.ack(entry_id)
             self.counters["requests_aborted"] += 1
             return
+        ckpt = checkpoint.load(self.redis, rid) if claimed else checkpoint.Checkpoint()
+        if ckpt.done:  # its worker died after the last reply: nothing left to do
+            self.outbox.finish(entry_id, rid)
+            return
         if time.time() > entry.deadline:
-            self._fail(entry_id, entry, "timeout", "request deadline passed before a worker started it")
+            self._fail(entry_id, entry, ckpt, "timeout", "request deadline passed before a worker started it")
             return
         if self.faults.should_fail():
-            self._fail(entry_id, entry, "engine_error", "injected fault (--fault-error-rate)")
+            self._fail(entry_id, entry, ckpt, "engine_error", "injected fault (--fault-error-rate)")
             return
         self.faults.delay()
         try:
             prompt_ids = self._prompt_ids(entry)
-            room = self.engine.max_model_len - len(prompt_ids)
-            self.engine.add_request(rid, prompt_ids, to_sampling_params(entry, room))
+            params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
+            resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
+            self.engine.add_request(rid, prompt_ids, params, resume)
         except EngineRejected as exc:
             self.counters["requests_rejected"] += 1
-            self._fail(entry_id, entry, "context_length_exceeded", str(exc))
+            self._fail(entry_id, entry, ckpt, "context_length_exceeded", str(exc))
             return
         except ValueError as exc:
             self.counters["requests_rejected"] += 1
-            self._fail(entry_id, entry, "invalid_request", str(exc))
+            self._fail(entry_id, entry, ckpt, "invalid_request", str(exc))
             return
-        self.active[rid] = Active(entry_id, entry.reply_channel, entry.params.n, len(prompt_ids))
+        self.active[rid] = Active(entry_id, entry.reply_channel, entry.params.n, len(prompt_ids),
+                                  seq=ckpt.last_seq, finished=set(ckpt.finished),
+                                  completion_tokens={i: len(t) for i, t in ckpt.tokens.items()})
         self.counters["requests_admitted"] += 1
+        if claimed:
+            self.counters["requests_resumed"] += 1
+            log.info("resumed %s after seq %d", rid, ckpt.last_seq)
 
     def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
         from worker.engine.tokenizer import encode_prompt, render_chat
@@ -151,49 +222,41 @@ class WorkerService:
             return render_chat(self.tokenizer, entry.messages or [])
         return encode_prompt(self.tokenizer, entry.prompt or "")
 
-    def _fail(self, entry_id: bytes, entry: protocol.RequestEntry, code: str, message: str) -> None:
-        err = protocol.ErrorReply(request_id=entry.request_id, seq=1, code=code, message=message)
-        self.redis.publish(entry.reply_channel, protocol.encode(err))
-        self._ack(entry_id)
-
-    def _ack(self, entry_id: bytes) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xack(self.stream, names.CONSUMER_GROUP, entry_id)
-        pipe.xdel(self.stream, entry_id)
-        pipe.execute()
+    def _fail(self, entry_id: bytes, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
+              code: str, message: str) -> None:
+        err = protocol.ErrorReply(request_id=entry.request_id, seq=ckpt.last_seq + 1, code=code,
+                                  message=message)
+        self.outbox.reply(entry.reply_channel, err)
+        self.outbox.finish(entry_id, entry.request_id)
 
     # -- replies ---------------------------------------------------------------------------
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        done: list[str] = []
+    def _collect(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             act = self.active.get(out.request_id)
             if act is None:  # aborted meanwhile
                 continue
             act.completion_tokens[out.index] = out.num_output_tokens
-            delta = protocol.Delta(request_id=out.request_id, seq=act.next_seq(), index=out.index,
-                                   text=out.text, token_ids=out.new_token_ids,
-                                   logprobs=self._wire_logprobs(out),
-                                   finish_reason=out.finish_reason if out.finished else None)
-            pipe.publish(act.reply_channel, protocol.encode(delta))
+            self.outbox.reply(act.reply_channel, protocol.Delta(
+                request_id=out.request_id, seq=act.next_seq(), index=out.index, text=out.text,
+                token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+                finish_reason=out.finish_reason if out.finished else None))
             if out.finished:
                 act.finished.add(out.index)
                 if len(act.finished) == act.n:
-                    done.append(out.request_id)
-        for rid in done:
-            act = self.active.pop(rid)
-            pipe.publish(act.reply_channel, protocol.encode(protocol.Done(
-                request_id=rid, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
-                completion_tokens=sum(act.completion_tokens.values()))))
-            pipe.xack(self.stream, names.CONSUMER_GROUP, act.entry_id)
-            pipe.xdel(self.stream, act.entry_id)
-            self.counters["requests_finished"] += 1
-        if outputs or done:
-            pipe.execute()
+                    self._done(out.request_id)
+
+    def _done(self, rid: str) -> None:
+        act = self.active.pop(rid)
+        self.outbox.reply(act.reply_channel, protocol.Done(
+            request_id=rid, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
+            completion_tokens=sum(act.completion_tokens.values())))
+        self.outbox.finish(act.entry_id, rid)
+        self.counters["requests_finished"] += 1
 
     def _wire_logprobs(self, out: RequestOutput) -> list[dict] | None:
         if not out.logprobs:
             return None
+
         def tok(token_id: int) -> str:
             return self.tokenizer.decode([token_id])
         return [{"token_id": lp.token_id, "token": tok(lp.token_id), "logprob": lp.logprob,
@@ -214,13 +277,14 @@ class WorkerService:
                 time.sleep(0.5)
 
     def _apply_cancels(self) -> None:
+        """Aborted in the engine before the next step, so its blocks are free for that step."""
         while not self.cancels.empty():
             rid = self.cancels.get_nowait()
             act = self.active.pop(rid, None)
             if act is None:
                 continue
             self.engine.abort(rid)
-            self._ack(act.entry_id)
+            self.outbox.finish(act.entry_id, rid)
             self.counters["requests_aborted"] += 1
             log.info("aborted %s on cancel", rid)
 
@@ -228,7 +292,7 @@ class WorkerService:
     def _info(self) -> dict:
         return {"worker_id": self.s.worker_id, "served_name": self.s.served_name,
                 "version": self.s.version, "engine": self.s.engine, "stream": self.stream,
-                "max_model_len": self.engine.max_model_len,
+                "max_model_len": self.engine.max_model_len, "draining": self.drain_deadline is not None,
                 "active": len(self.active), "stats": self.engine.stats(), **self.counters,
                 "ts": time.time()}
 

@@ -1,0 +1,52 @@
+"""The worker's outbox: one engine step's replies as Redis commands, sent in one pipeline.
+
+Every reply is PUBLISHed and then appended to the request's checkpoint log (publish first: if the
+worker dies in between, the resuming worker re-sends that sequence number and the gateway drops
+the duplicate). While Redis is unreachable the commands are kept and retried, and the worker does
+not step further, so a short outage loses no token.
+"""
+from __future__ import annotations
+
+import logging
+
+import redis
+
+from shared import names, protocol
+from worker import checkpoint
+
+log = logging.getLogger("kvgate.worker")
+
+
+class Outbox:
+    def __init__(self, client: redis.Redis, stream: str):
+        self.client = client
+        self.stream = stream
+        self.ops: list[tuple] = []
+
+    def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply) -> None:
+        raw = protocol.encode(msg)
+        key = names.checkpoint_key(msg.request_id)
+        self.ops += [("publish", channel, raw), ("rpush", key, raw), ("expire", key, checkpoint.TTL_S)]
+
+    def finish(self, entry_id: bytes, request_id: str) -> None:
+        """The request is over: the entry leaves the stream, its log stays briefly for gap repair."""
+        self.ack(entry_id)
+        self.ops.append(("expire", names.checkpoint_key(request_id), checkpoint.DONE_TTL_S))
+
+    def ack(self, entry_id: bytes) -> None:
+        self.ops += [("xack", self.stream, names.CONSUMER_GROUP, entry_id), ("xdel", self.stream, entry_id)]
+
+    def flush(self) -> bool:
+        """Send everything queued; False (and everything kept) if Redis is unreachable."""
+        if not self.ops:
+            return True
+        pipe = self.client.pipeline(transaction=False)
+        for name, *args in self.ops:
+            getattr(pipe, name)(*args)
+        try:
+            pipe.execute()
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            log.warning("replies held while Redis is unreachable (%s)", type(exc).__name__)
+            return False
+        self.ops.clear()
+        return True
