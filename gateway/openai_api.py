@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from gateway import estimate
 from gateway.admission import Lease, admit, set_ratelimit_headers
 from gateway.dispatch import KEEPALIVE, Handle
-from gateway.routing import VERSION_HEADER, Outcome, observed
+from gateway.routing import VERSION_HEADER, Outcome, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.validation import check_context, check_model_allowed
 from shared import names, protocol
@@ -38,7 +38,7 @@ async def get_model(model_id: str, request: Request) -> dict:
     return _model_card(model_id)
 
 
-@router.post("/chat/completions")
+@router.post("/chat/completions", dependencies=[Depends(version_header)])
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            lease: Lease = Depends(admit)):
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -46,7 +46,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request,
     return await _serve(request, lease, body, "chat", dict(messages=messages), logprobs)
 
 
-@router.post("/completions")
+@router.post("/completions", dependencies=[Depends(version_header)])
 async def completions(body: CompletionRequest, request: Request, lease: Lease = Depends(admit)):
     prompt = dict(prompt_token_ids=body.prompt) if isinstance(body.prompt, list) else dict(prompt=body.prompt)
     return await _serve(request, lease, body, "completion", prompt, body.logprobs)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
+from fastapi import Header
 from redis.exceptions import ResponseError
 
 from gateway.keys import KeyRecord
@@ -28,6 +29,13 @@ VERSION_HEADER = "x-kvgate-version"
 ROUTE_CACHE_S = 0.5
 SWEEP_S = 1.0
 RESCUER = "kvgate-rescuer"  # consumer name the gateway reads stranded entries under
+
+
+def version_header(x_kvgate_version: str | None = Header(
+        None, description="Serve from this version of the model (admin keys and keys with "
+        "version_override only); every response names the version that served it")) -> str | None:
+    """Declares the request header in the OpenAPI document; `_serve` reads it."""
+    return x_kvgate_version
 
 
 @dataclass
