@@ -41,7 +41,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.keystore = KeyStore(client, settings.secret.get_secret_value())
         app.state.limits = Limits(client, settings)
         app.state.usage = UsageBook(client, settings.usage_retention_days)
-        app.state.dispatcher = Dispatcher(client, settings.gateway_id)
+        app.state.dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth)
         await app.state.dispatcher.start()
         await app.state.router.start()
         yield

@@ -16,11 +16,18 @@ from shared.errors import EngineFailure, Overloaded, RequestTimeout, from_code
 log = logging.getLogger("kvgate.gateway")
 KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
 CANCEL_MARK_TTL_S = 600
+# Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
+_XADD_BOUNDED = """
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+"""
 
 
 class Dispatcher:
-    def __init__(self, redis: aioredis.Redis, gateway_id: str):
+    def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000):
         self.redis = redis
+        self.max_stream_depth = max_stream_depth
+        self._xadd_bounded = redis.register_script(_XADD_BOUNDED)
         self.channel = names.reply_channel(gateway_id)
         self.queues: dict[str, asyncio.Queue] = {}
         self.subscribed = asyncio.Event()
@@ -74,11 +81,16 @@ class Dispatcher:
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[entry.request_id] = queue
         try:
-            await self.redis.xadd(stream, {protocol.ENTRY_FIELD: protocol.encode(entry)})
+            added = await self._xadd_bounded(keys=[stream], args=[
+                self.max_stream_depth, protocol.ENTRY_FIELD, protocol.encode(entry)])
         except Exception as exc:
             self.queues.pop(entry.request_id, None)
             raise Overloaded(f"queue unavailable ({type(exc).__name__}); retry shortly",
                              retry_after=1) from exc
+        if not added:
+            self.queues.pop(entry.request_id, None)
+            raise Overloaded(f"model '{entry.model}' is at its queue depth limit of "
+                             f"{self.max_stream_depth} requests; retry shortly", retry_after=2)
         return Handle(self, entry.request_id, queue, entry.deadline)
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
@@ -102,7 +114,8 @@ class Dispatcher:
 
 
 class Handle:
-    """The replies of one request, in sequence order, duplicates dropped, gaps refused."""
+    """The replies of one request, in sequence order: duplicates dropped, gaps filled from the
+    request's checkpoint log (or refused with a clear error, never passed over in silence)."""
 
     def __init__(self, dispatcher: Dispatcher, request_id: str, queue: asyncio.Queue,
                  deadline: float):
@@ -121,21 +134,48 @@ class Handle:
                 raise RequestTimeout("request exceeded its total time limit")
             try:
                 reply = await asyncio.wait_for(self.queue.get(), timeout=min(keepalive_s, remaining))
-            except asyncio.TimeoutError:
-                yield KEEPALIVE
+            except asyncio.TimeoutError:  # silence: maybe replies were lost while we reconnected
+                for missed in await self._from_log(upto=None):
+                    yield self._accept(missed)
+                if not self.done:
+                    yield KEEPALIVE
                 continue
             if reply.seq <= self.last_seq:
                 continue
-            if reply.seq != self.last_seq + 1:
-                raise EngineFailure(f"reply stream gap: expected seq {self.last_seq + 1}, "
-                                    f"got {reply.seq}")
-            self.last_seq = reply.seq
-            if isinstance(reply, protocol.ErrorReply):
-                self.done = True
-                raise from_code(reply.code, reply.message, reply.param)
-            if isinstance(reply, protocol.Done):
-                self.done = True
-            yield reply
+            if reply.seq > self.last_seq + 1:
+                for missed in await self._from_log(upto=reply.seq):
+                    yield self._accept(missed)
+                if reply.seq != self.last_seq + 1:
+                    raise EngineFailure(f"reply stream gap: expected seq {self.last_seq + 1}, "
+                                        f"got {reply.seq}, and the checkpoint log lacks it")
+            yield self._accept(reply)
+
+    def _accept(self, reply):
+        self.last_seq = reply.seq
+        if isinstance(reply, protocol.ErrorReply):
+            self.done = True
+            raise from_code(reply.code, reply.message, reply.param)
+        if isinstance(reply, protocol.Done):
+            self.done = True
+        return reply
+
+    async def _from_log(self, upto: int | None) -> list:
+        """Replies after last_seq (and before `upto`) from the worker's checkpoint log, in order."""
+        try:
+            raws = await self.dispatcher.redis.lrange(names.checkpoint_key(self.request_id), 0, -1)
+        except Exception as exc:
+            log.warning("checkpoint log unavailable for %s: %s", self.request_id, type(exc).__name__)
+            return []
+        found: dict[int, object] = {}
+        for raw in raws:
+            reply = protocol.decode_reply(raw)
+            if reply.seq > self.last_seq and (upto is None or reply.seq < upto):
+                found.setdefault(reply.seq, reply)
+        out, want = [], self.last_seq + 1
+        while want in found:  # only a contiguous run is usable
+            out.append(found[want])
+            want += 1
+        return out
 
     def close(self, reason: str = "client_disconnected") -> None:
         if not self.done:

@@ -74,8 +74,11 @@ def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
     os.environ["KVGATE_HOST"], os.environ["KVGATE_PORT"] = host, str(port)
     if not os.environ.get("KVGATE_SECRET"):
         raise click.UsageError("set KVGATE_SECRET: the server secret API keys are HMAC-ed with")
+    from shared.settings import GatewaySettings
+
+    grace = GatewaySettings().drain_grace_s  # SIGTERM: stop accepting, let open streams finish
     uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
-                workers=workers, log_level="warning", timeout_graceful_shutdown=10)
+                workers=workers, log_level="warning", timeout_graceful_shutdown=int(grace))
 
 
 @main.command()

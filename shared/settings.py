@@ -26,6 +26,9 @@ class GatewaySettings(CommonSettings):
     usage_retention_days: int = Field(400, ge=1, description="Days per-key usage counters are kept")
     gateway_id: str = Field(default_factory=lambda: secrets.token_hex(6),
                             description="Names this process's reply channel")
+    max_stream_depth: int = Field(1000, ge=1, description="Waiting + in-flight requests per model "
+                                  "version beyond which the gateway answers 503 (backpressure)")
+    drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish open streams")
     max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
