@@ -123,6 +123,18 @@ def test_synthetic_engine_emits_max_tokens_for_all_requests_at_once(tiny_model_d
     assert engine.token_id not in engine.eos_token_ids and engine.token_text
 
 
+def test_synthetic_engine_resumes_after_the_tokens_already_sent(tiny_model_dir):
+    from worker.engine.synthetic import SyntheticEngine
+    from worker.engine.types import Resume
+
+    engine = SyntheticEngine.from_model_dir(tiny_model_dir)
+    engine.add_request("a", [1, 2], SamplingParams(max_tokens=4, n=3), Resume({0: [7, 7, 7], 2: [7]}, {1}))
+    outs = engine.step() + engine.step() + engine.step()
+    assert [(o.index, o.num_output_tokens, o.finish_reason) for o in outs] == [
+        (0, 4, "length"), (2, 2, None), (2, 3, None), (2, 4, "length")]
+    assert not engine.has_unfinished()
+
+
 # -- the bare baseline server, and a run through it -----------------------------------------------
 @pytest.fixture(scope="module")
 def baseline(tiny_model_dir):

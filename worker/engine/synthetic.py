@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import EngineRejected, RequestOutput, SamplingParams, TokenLogprob
+from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -61,7 +61,9 @@ class SyntheticEngine:
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    resume: Resume | None = None) -> None:
+        """A resumed request continues each unfinished choice after the tokens it already sent."""
         if not prompt_ids:
             raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
         if len(prompt_ids) + params.max_tokens > self._max_model_len:
@@ -70,8 +72,11 @@ class SyntheticEngine:
                 f"model's context length of {self._max_model_len} tokens")
         if request_id in self.choices:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        self.choices[request_id] = [_Choice(request_id, i, len(prompt_ids), params)
-                                    for i in range(params.n)]
+        resume = resume or Resume()
+        choices = [_Choice(request_id, i, len(prompt_ids), params, len(resume.output_ids.get(i, [])))
+                   for i in range(params.n) if i not in resume.finished]
+        if choices:
+            self.choices[request_id] = choices
 
     def abort(self, request_id: str) -> None:
         for c in self.choices.pop(request_id, []):
@@ -91,12 +96,14 @@ class SyntheticEngine:
     def step(self) -> list[RequestOutput]:
         """One fixed token for every unfinished choice; a choice ends at max_tokens ("length")."""
         outputs, self._aborted = self._aborted, []
-        for request_id in list(self.choices):
-            for c in self.choices[request_id]:
+        for request_id, choices in list(self.choices.items()):
+            for c in choices:
                 c.num_output_tokens += 1
                 done = c.num_output_tokens >= c.params.max_tokens
                 outputs.append(self._output(c, [self.token_id], self.token_text, "length" if done else None))
-            if all(c.num_output_tokens >= c.params.max_tokens for c in self.choices[request_id]):
+            if left := [c for c in choices if c.num_output_tokens < c.params.max_tokens]:
+                self.choices[request_id] = left
+            else:
                 del self.choices[request_id]
         return outputs
 
