@@ -5,6 +5,9 @@ import logging
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -34,7 +37,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         pool = aioredis.BlockingConnectionPool.from_url(
             settings.redis_url, max_connections=settings.redis_max_connections, timeout=5,
             socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
-        client = aioredis.Redis(connection_pool=pool)
+        # a connection left stale by a Redis restart is retried on a fresh one, not surfaced
+        client = aioredis.Redis(connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2), 2),
+                                retry_on_error=[ConnectionError, TimeoutError])
         app.state.redis = client
         app.state.registry = Registry(client)
         app.state.router = Router(client, app.state.registry, settings.worker_stale_s)

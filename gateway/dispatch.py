@@ -15,6 +15,7 @@ from shared.errors import EngineFailure, Overloaded, RequestTimeout, from_code
 
 log = logging.getLogger("kvgate.gateway")
 KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
+RESYNC = object()  # put in every open queue after a resubscribe: replies may have been missed
 CANCEL_MARK_TTL_S = 600
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
 _XADD_BOUNDED = """
@@ -60,6 +61,8 @@ class Dispatcher:
             async for msg in pubsub.listen():
                 if msg["type"] == "subscribe":
                     self.subscribed.set()
+                    for queue in self.queues.values():  # published while we were away?
+                        queue.put_nowait(RESYNC)
                 elif msg["type"] == "message":
                     self._deliver(msg["data"])
         finally:
@@ -135,9 +138,11 @@ class Handle:
             try:
                 reply = await asyncio.wait_for(self.queue.get(), timeout=min(keepalive_s, remaining))
             except asyncio.TimeoutError:  # silence: maybe replies were lost while we reconnected
+                reply = KEEPALIVE
+            if reply is KEEPALIVE or reply is RESYNC:
                 for missed in await self._from_log(upto=None):
                     yield self._accept(missed)
-                if not self.done:
+                if reply is KEEPALIVE and not self.done:
                     yield KEEPALIVE
                 continue
             if reply.seq <= self.last_seq:

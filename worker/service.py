@@ -92,6 +92,10 @@ class WorkerService:
                 except REDIS_DOWN as exc:
                     log.warning("Redis unreachable (%s); retrying", type(exc).__name__)
                     time.sleep(0.5)
+                except redis.ResponseError as exc:
+                    if "NOGROUP" not in str(exc):
+                        raise
+                    self._ensure_group()  # Redis came back without our stream: make it again
         finally:
             self._deregister()
 
@@ -157,14 +161,8 @@ class WorkerService:
                 raise
 
     def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, bytes]]:
-        try:
-            reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
-                                          {self.stream: ">"}, count=count, block=block_ms)
-        except redis.ResponseError as exc:
-            if "NOGROUP" not in str(exc):  # Redis came back empty: recreate the group
-                raise
-            self._ensure_group()
-            return []
+        reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
+                                      {self.stream: ">"}, count=count, block=block_ms)
         if not reply:
             return []
         return [(entry_id, fields.get(protocol.ENTRY_FIELD, b"")) for entry_id, fields in reply[0][1]]
@@ -315,6 +313,8 @@ class WorkerService:
                  ex=max(1, int(self.s.heartbeat_ttl_s)))
         pipe.zadd(names.WORKERS_ZSET, {self.s.worker_id: now + self.s.heartbeat_ttl_s})
         pipe.zremrangebyscore(names.WORKERS_ZSET, "-inf", now)
+        pipe.hsetnx(names.model_versions_key(self.s.served_name), self.s.version,
+                    orjson.dumps({"model": self.s.model, "registered": now}))  # survives a Redis restart
         pipe.execute()
 
     def _deregister(self) -> None:
