@@ -308,3 +308,32 @@ def test_overload_sheds_with_503_and_short_requests_are_not_starved(cluster):
     assert all(r["error"] is None and r["finish"] == "length" for r in ok)
     assert stats["num_preemptions"] > 0
     assert all(r["status"] == 200 for r in longs)
+
+
+def test_cancel_before_pickup_is_honoured_and_deadlines_are_enforced(cluster):
+    cluster.start_gateway(KVGATE_REQUEST_TIMEOUT_S="3")
+    cluster.start_worker("w1", "--max-num-seqs", "1")
+
+    async def scenario():
+        async with _client(4) as client:
+            busy = asyncio.create_task(_stream(client, cluster.url, _body(0, 1500)))
+            while not cluster.info("w1")["active"]:
+                await asyncio.sleep(0.05)
+            queued = asyncio.create_task(_stream(client, cluster.url, _body(1, 8)))
+            await asyncio.sleep(0.5)
+            queued.cancel()  # the client leaves while its entry still waits in the stream
+            return await busy
+
+    busy = asyncio.run(scenario())
+    assert busy["error"] is not None and busy["error"]["code"] == "timeout", busy
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        info = cluster.info("w1")
+        if info["requests_aborted"] >= 2 and info["active"] == 0:
+            break
+        time.sleep(0.1)
+    info = cluster.info("w1")
+    print(f"\n[deadline/cancel] timed-out stream ended with code {busy['error']['code']}; worker "
+          f"admitted {info['requests_admitted']}, aborted {info['requests_aborted']}")
+    assert info["requests_admitted"] == 1, "the cancelled entry must never start"
+    assert info["requests_aborted"] == 2 and info["active"] == 0
