@@ -42,13 +42,15 @@ async def _stable_for(request: Request, alias: str, body: CanarySet, current: Ro
 
 @router.put("/{alias}", response_model=Route)
 async def set_canary(alias: str, body: CanarySet, request: Request) -> Route:
-    """Put `version` on trial; replaces any canary the alias had (its stable stays)."""
+    """Put `version` on trial; replaces any canary the alias had (its stable stays). The canary
+    may have no worker yet: its share is served by stable (failover) until one is live, so a
+    route can be set before the new version's workers start."""
     store = _store(request)
     current = await store.get(alias)
     stable = await _stable_for(request, alias, body, current)
     known = await _known_versions(request, alias)
-    for param, version in (("version", body.version), ("stable", stable),
-                           *((f"cohorts.{c}", v) for c, v in body.cohorts.items())):
+    pinned = ((f"cohorts.{c}", v) for c, v in body.cohorts.items())
+    for param, version in (("stable", stable), *pinned):
         if version not in known:
             raise NotFound(f"No worker ever served '{alias}' version '{version}'", param=param,
                            code="version_not_found")

@@ -12,7 +12,7 @@ class CanarySet(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: str = Field(description="The canary version (a worker must have served it once)")
+    version: str = Field(description="The canary version (it may have no worker yet)")
     stable: str | None = Field(None, description="Default: the route's stable, else the one other "
                                "version of the alias")
     weight: float | None = Field(None, ge=0, le=100, description="Percent of keys to the canary; "

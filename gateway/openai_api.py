@@ -70,6 +70,9 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
         return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
         result = await _collect(handle, shape, state.settings.keepalive_s, outcome)
+    except KvgateError as exc:  # an error the version answered with still names the version
+        exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
+        raise
     finally:
         handle.close("client_gone")
     lease.usage = result["usage"]
