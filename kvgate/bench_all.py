@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = Processes(Path(args.out_dir).resolve())
     bench = Bench(default_model_dir(), procs, sizes)
     venv = None if args.skip_litellm else ensure_litellm(Path(args.litellm_venv).resolve())
-    results = {}
+    results = {"loadavg_start": os.getloadavg()[0]}  # the machine is shared: say how busy it was
     try:
         for name, step in (("engines", bench.engines), ("gateways", lambda: bench.gateways(venv)),
                            ("prefix", bench.prefix), ("mix_added", bench.mix_and_added)):
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     results["mix"], results["ttft_added"] = results.pop("mix_added")
     results["sizes"] = sizes.__dict__
     results["elapsed_s"] = time.monotonic() - started
+    results["loadavg_end"] = os.getloadavg()[0]
     results["quick"] = args.quick
     (procs.log_dir / "results.json").write_text(json.dumps(results) + "\n")  # raw, for --from-results
     write_report(results, Path(args.docs), quick=args.quick)
