@@ -48,11 +48,13 @@ class Sizes:
     prefix_concurrency: int = 4
     mix_short_input: int = 32
     mix_short_output: int = 32
-    mix_long_input: int = 1024  # one such prefill takes ~0.2 s here: 1 a second keeps the load feasible
+    mix_long_input: int = 1024
     mix_long_output: int = 8
-    mix_requests: int = 100
-    mix_long_fraction: float = 0.1
-    mix_rate: float = 10.0
+    mix_short_requests: int = 90
+    mix_short_rate: float = 9.0
+    # long prompts arrive at a rate that keeps them this busy (their measured TTFT alone × rate), so
+    # the mix stays feasible however fast or loaded the machine is: it measures scheduling, not overload
+    mix_long_busy: float = 0.2
     added_requests: int = 40
     added_output: int = 4
     # torch threads per engine process. The machine has 2 cores for client, gateway, Redis and
@@ -63,7 +65,7 @@ class Sizes:
     @classmethod
     def quick(cls) -> Sizes:
         return cls(levels=(1, 4), engine_output=8, overhead_requests=10, overhead_rounds=2, ramp_seconds=1.0,
-                   ramp_max=100.0, prefix_len=128, prefix_requests=8, mix_long_input=256, mix_requests=16,
+                   ramp_max=100.0, prefix_len=128, prefix_requests=8, mix_long_input=256, mix_short_requests=12,
                    added_requests=8)
 
 
@@ -173,18 +175,21 @@ class Bench:
         added = self._ttft_added(server)
         s = self.sizes
         opts = DatasetOptions(input_len=s.mix_short_input, output_len=s.mix_short_output,
-                              long_input_len=s.mix_long_input, long_output_len=s.mix_long_output,
-                              long_fraction=s.mix_long_fraction)
-        n_short = round(s.mix_requests * (1 - s.mix_long_fraction))
-        short_rate = s.mix_rate * (1 - s.mix_long_fraction)
-        alone = self.serve(server, self.workload("long-short", n_short, replace(opts, long_fraction=0.0), 4, short_rate),
-                           dataset="long-short", rate=short_rate)
-        mixed = self.serve(server, self.workload("long-short", s.mix_requests, opts, 4, s.mix_rate),
-                           dataset="long-short", rate=s.mix_rate)
+                              long_input_len=s.mix_long_input, long_output_len=s.mix_long_output)
+        probe = self.serve(server, self.workload("long-short", 3, replace(opts, long_fraction=1.0), 40), 1,
+                           dataset="long-short")
+        long_rate = min(s.mix_short_rate, s.mix_long_busy / max(probe["p50_ttft_ms"] / 1000, 1e-3))
+        n_long = max(3, round(long_rate * s.mix_short_requests / s.mix_short_rate))
+        rate, n = s.mix_short_rate + long_rate, s.mix_short_requests + n_long
+        alone = self.serve(server, self.workload("long-short", s.mix_short_requests, replace(opts, long_fraction=0.0),
+                                                 4, s.mix_short_rate), dataset="long-short", rate=s.mix_short_rate)
+        mixed = self.serve(server, self.workload("long-short", n, replace(opts, long_fraction=n_long / n), 4, rate),
+                           dataset="long-short", rate=rate)
         self.procs.stop(server.proc)
-        return {"alone": alone, "mixed": mixed, "short_rate": short_rate, "rate": s.mix_rate,
+        return {"alone": alone, "mixed": mixed, "short_rate": s.mix_short_rate, "long_rate": long_rate,
+                "long_ttft_alone_ms": probe["p50_ttft_ms"], "long_busy": s.mix_long_busy,
                 **{k: getattr(s, k) for k in ("mix_short_input", "mix_short_output", "mix_long_input",
-                                              "mix_long_output", "mix_long_fraction")}}, added
+                                              "mix_long_output")}}, added
 
     def _ttft_added(self, server: Server) -> dict:
         """Streamed TTFT through the stack vs the same prompts on the same engine in this process."""
