@@ -18,6 +18,7 @@ from shared.settings import WorkerSettings
 from worker import checkpoint
 from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams
 from worker.faults import Faults
+from worker.metrics import WorkerMetrics
 from worker.replies import Outbox
 from worker.takeover import claim_orphans
 
@@ -36,6 +37,7 @@ class Active:
     seq: int = 0
     completion_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
+    stream: str | None = None  # the stream the entry came from; None: the interactive lane
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -64,9 +66,11 @@ class WorkerService:
         self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
                                           socket_timeout=10, health_check_interval=10)
         self.stream = names.request_stream(settings.served_name, settings.version)
+        self.batch_stream = names.request_stream(settings.served_name, settings.version,
+                                                 names.BATCH_LANE)
         self.outbox = Outbox(self.redis, self.stream)
         self.active: dict[str, Active] = {}
-        self.backlog: list[tuple[bytes, bytes, bool]] = []  # read but not yet admitted (Redis blip)
+        self.backlog: list[tuple[str, bytes, bytes, bool]] = []  # read, not yet admitted (Redis blip)
         self.cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
         self.drain_deadline: float | None = None
@@ -74,6 +78,8 @@ class WorkerService:
         self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms)
         self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
                          "requests_rejected": 0, "requests_resumed": 0}
+        self.metrics = WorkerMetrics(settings.served_name, settings.version, settings.worker_id,
+                                     engine.stats)
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -134,60 +140,69 @@ class WorkerService:
 
     # -- stream consumption ----------------------------------------------------------------
     def _ensure_group(self) -> None:
-        try:
-            self.redis.xgroup_create(self.stream, names.CONSUMER_GROUP, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
+        for stream in (self.stream, self.batch_stream):
+            try:
+                self.redis.xgroup_create(stream, names.CONSUMER_GROUP, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
 
     def _pull(self) -> None:
-        """Take only what the engine has room for: backlog, then orphans, then new entries."""
+        """Take only what the engine has room for: backlog, then orphans, then new entries. The
+        batch lane gets only the room the interactive lane left: it is read when the interactive
+        stream had nothing more (and the engine's priorities keep its entries behind, too)."""
         room = self.engine.free_capacity()
         todo, self.backlog = self.backlog[:room], self.backlog[room:]
         if len(todo) < room and time.monotonic() - self.last_claim >= self.s.heartbeat_s:
             self.last_claim = time.monotonic()
-            orphans = claim_orphans(self.redis, self.stream, self.s.worker_id,
-                                    int(self.s.heartbeat_ttl_s * 1000), room - len(todo))
-            todo += [(entry_id, raw, True) for entry_id, raw in orphans]
-        if len(todo) < room:
-            idle = not self.engine.has_unfinished() and not todo
-            todo += [(entry_id, raw, False) for entry_id, raw in
-                     self._read(room - len(todo), block_ms=100 if idle else None)]
-        for i, (entry_id, raw, claimed) in enumerate(todo):
+            for stream in (self.stream, self.batch_stream):
+                orphans = claim_orphans(self.redis, stream, self.s.worker_id,
+                                        int(self.s.heartbeat_ttl_s * 1000), room - len(todo))
+                todo += [(stream, entry_id, raw, True) for entry_id, raw in orphans]
+        for stream in (self.stream, self.batch_stream):
+            if len(todo) < room:
+                todo += self._read({stream: ">"}, room - len(todo), block_ms=None)
+        if not todo and room and not self.engine.has_unfinished():
+            # idle: wait for either lane; one entry from each at most, the surplus waits its turn
+            todo = self._read({self.stream: ">", self.batch_stream: ">"}, 1, block_ms=100)
+            todo, self.backlog = todo[:room], todo[room:] + self.backlog
+        for i, (stream, entry_id, raw, claimed) in enumerate(todo):
             try:
-                self._admit(entry_id, raw, claimed)
+                self._admit(stream, entry_id, raw, claimed)
             except REDIS_DOWN:
                 self.backlog = todo[i:] + self.backlog
                 raise
 
-    def _read(self, count: int, block_ms: int | None) -> list[tuple[bytes, bytes]]:
-        reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
-                                      {self.stream: ">"}, count=count, block=block_ms)
-        if not reply:
-            return []
-        return [(entry_id, fields.get(protocol.ENTRY_FIELD, b"")) for entry_id, fields in reply[0][1]]
+    def _read(self, streams: dict[str, str], count: int,
+              block_ms: int | None) -> list[tuple[str, bytes, bytes, bool]]:
+        reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id, streams, count=count,
+                                      block=block_ms)
+        return [(name.decode() if isinstance(name, bytes) else name, entry_id,
+                 fields.get(protocol.ENTRY_FIELD, b""), False)
+                for name, entries in reply or [] for entry_id, fields in entries]
 
-    def _admit(self, entry_id: bytes, raw: bytes, claimed: bool) -> None:
+    def _admit(self, stream: str, entry_id: bytes, raw: bytes, claimed: bool) -> None:
         try:
             entry = protocol.decode_entry(raw)
         except (protocol.ProtocolError, ValueError) as exc:
             log.warning("dropping malformed entry %s: %s", entry_id, exc)
-            self.outbox.ack(entry_id)
+            self.outbox.ack(entry_id, stream)
             return
         rid = entry.request_id
         if self.redis.exists(names.cancelled_key(rid)):
-            self.outbox.ack(entry_id)
+            self.outbox.ack(entry_id, stream)
             self.counters["requests_aborted"] += 1
             return
         ckpt = checkpoint.load(self.redis, rid) if claimed else checkpoint.Checkpoint()
         if ckpt.done:  # its worker died after the last reply: nothing left to do
-            self.outbox.finish(entry_id, rid)
+            self.outbox.finish(entry_id, rid, stream)
             return
         if time.time() > entry.deadline:
-            self._fail(entry_id, entry, ckpt, "timeout", "request deadline passed before a worker started it")
+            self._fail(stream, entry_id, entry, ckpt, "timeout",
+                       "request deadline passed before a worker started it")
             return
         if self.faults.should_fail():
-            self._fail(entry_id, entry, ckpt, "engine_error", "injected fault (--fault-error-rate)")
+            self._fail(stream, entry_id, entry, ckpt, "engine_error", "injected fault (--fault-error-rate)")
             return
         self.faults.delay()
         try:
@@ -197,19 +212,21 @@ class WorkerService:
             self.engine.add_request(rid, prompt_ids, params, resume)
         except EngineRejected as exc:
             self.counters["requests_rejected"] += 1
-            self._fail(entry_id, entry, ckpt, "context_length_exceeded", str(exc))
+            self._fail(stream, entry_id, entry, ckpt, "context_length_exceeded", str(exc))
             return
         except ValueError as exc:
             self.counters["requests_rejected"] += 1
-            self._fail(entry_id, entry, ckpt, "invalid_request", str(exc))
+            self._fail(stream, entry_id, entry, ckpt, "invalid_request", str(exc))
             return
+        self.metrics.admitted(entry, len(prompt_ids))
         self.active[rid] = Active(entry_id, entry.reply_channel, entry.params.n, len(prompt_ids),
                                   seq=ckpt.last_seq, finished=set(ckpt.finished),
-                                  completion_tokens={i: len(t) for i, t in ckpt.tokens.items()})
+                                  completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
+                                  stream=stream)
         self.counters["requests_admitted"] += 1
         if claimed:
             self.counters["requests_resumed"] += 1
-            log.info("resumed %s after seq %d", rid, ckpt.last_seq)
+            log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
 
     def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
         from worker.engine.tokenizer import encode_prompt, render_chat
@@ -220,12 +237,13 @@ class WorkerService:
             return render_chat(self.tokenizer, entry.messages or [])
         return encode_prompt(self.tokenizer, entry.prompt or "")
 
-    def _fail(self, entry_id: bytes, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
-              code: str, message: str) -> None:
+    def _fail(self, stream: str, entry_id: bytes, entry: protocol.RequestEntry,
+              ckpt: checkpoint.Checkpoint, code: str, message: str) -> None:
         err = protocol.ErrorReply(request_id=entry.request_id, seq=ckpt.last_seq + 1, code=code,
                                   message=message)
         self.outbox.reply(entry.reply_channel, err)
-        self.outbox.finish(entry_id, entry.request_id)
+        self.outbox.finish(entry_id, entry.request_id, stream)
+        self.metrics.rejected(entry, code)
 
     # -- replies ---------------------------------------------------------------------------
     def _collect(self, outputs: list[RequestOutput]) -> None:
@@ -234,6 +252,7 @@ class WorkerService:
             if act is None:  # aborted meanwhile
                 continue
             act.completion_tokens[out.index] = out.num_output_tokens
+            self.metrics.output(out)
             self.outbox.reply(act.reply_channel, protocol.Delta(
                 request_id=out.request_id, seq=act.next_seq(), index=out.index, text=out.text,
                 token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
@@ -248,15 +267,16 @@ class WorkerService:
         self.outbox.reply(act.reply_channel, protocol.Done(
             request_id=rid, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
             completion_tokens=sum(act.completion_tokens.values())))
-        self.outbox.finish(act.entry_id, rid)
+        self.outbox.finish(act.entry_id, rid, act.stream)
         self.counters["requests_finished"] += 1
+        self.metrics.finished(rid)
 
     def _wire_logprobs(self, out: RequestOutput) -> list[dict] | None:
         if not out.logprobs:
             return None
 
-        def tok(token_id: int) -> str:
-            return self.tokenizer.decode([token_id])
+        def tok(token_id: int) -> str:  # as the text shows it: special tokens are not text
+            return self.tokenizer.decode([token_id], skip_special_tokens=True)
         return [{"token_id": lp.token_id, "token": tok(lp.token_id), "logprob": lp.logprob,
                  "top": [[tok(t), v] for t, v in lp.top]} for lp in out.logprobs]
 
@@ -282,9 +302,10 @@ class WorkerService:
             if act is None:
                 continue
             self.engine.abort(rid)
-            self.outbox.finish(act.entry_id, rid)
+            self.outbox.finish(act.entry_id, rid, act.stream)
             self.counters["requests_aborted"] += 1
-            log.info("aborted %s on cancel", rid)
+            self.metrics.finished(rid, "abort")
+            log.info("aborted %s on cancel", rid, extra={"request_id": rid})
 
     # -- registry --------------------------------------------------------------------------
     def _info(self) -> dict:
@@ -292,7 +313,7 @@ class WorkerService:
                 "version": self.s.version, "engine": self.s.engine, "stream": self.stream,
                 "max_model_len": self.engine.max_model_len, "draining": self.drain_deadline is not None,
                 "active": len(self.active), "stats": self.engine.stats(), **self.counters,
-                "ts": time.time()}
+                "metrics_url": self.metrics.url, "ts": time.time()}
 
     def _register_model(self) -> None:
         self.redis.hset(names.model_versions_key(self.s.served_name), self.s.version,

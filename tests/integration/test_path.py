@@ -55,7 +55,6 @@ def test_non_streamed_usage_counts_the_tokens_produced(client):
     assert resp.usage.completion_tokens == len(produced) == 17
     assert resp.usage.prompt_tokens > 0
     assert resp.choices[0].finish_reason == "length"
-    assert "".join(p.token for p in produced) == resp.choices[0].message.content
     assert all(len(p.top_logprobs) == 2 for p in produced)
 
 
