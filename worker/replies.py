@@ -28,13 +28,15 @@ class Outbox:
         key = names.checkpoint_key(msg.request_id)
         self.ops += [("publish", channel, raw), ("rpush", key, raw), ("expire", key, checkpoint.TTL_S)]
 
-    def finish(self, entry_id: bytes, request_id: str) -> None:
+    def finish(self, entry_id: bytes, request_id: str, stream: str | None = None) -> None:
         """The request is over: the entry leaves the stream, its log stays briefly for gap repair."""
-        self.ack(entry_id)
+        self.ack(entry_id, stream)
         self.ops.append(("expire", names.checkpoint_key(request_id), checkpoint.DONE_TTL_S))
 
-    def ack(self, entry_id: bytes) -> None:
-        self.ops += [("xack", self.stream, names.CONSUMER_GROUP, entry_id), ("xdel", self.stream, entry_id)]
+    def ack(self, entry_id: bytes, stream: str | None = None) -> None:
+        """`stream`: the entry's own (a worker reads two lanes); None: the one it was made with."""
+        stream = stream or self.stream
+        self.ops += [("xack", stream, names.CONSUMER_GROUP, entry_id), ("xdel", stream, entry_id)]
 
     def flush(self) -> bool:
         """Send everything queued; False (and everything kept) if Redis is unreachable."""
