@@ -1,0 +1,182 @@
+"""What a worker tells Prometheus and the tracer. The engine knows nothing of either: its state is
+read through `engine.stats()` when Prometheus scrapes (as the heartbeat reads it), and each
+request's timings are taken from what the service sees — the entry it admits, the outputs each
+step returns, the end. Metric names follow vLLM's (`vllm:` → `kvgate_`), labelled by model
+(served name) and version.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from opentelemetry.trace import SpanKind
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               start_http_server)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from shared import logs, protocol, telemetry
+from worker.engine.types import RequestOutput
+
+log = logging.getLogger("kvgate.worker")
+LABELS = ("model", "version")
+# vLLM's buckets, trimmed: CPU tests see milliseconds, big models on busy GPUs minutes
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                   40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+
+
+class EngineCollector:
+    """Gauges and counters straight from `engine.stats()`, read at scrape time (the engine's own
+    counters are cumulative, so a restart shows as a counter reset, as Prometheus expects)."""
+
+    def __init__(self, stats: Callable[[], dict], labels: tuple[str, str]):
+        self.stats, self.labels = stats, list(labels)
+
+    def collect(self):
+        s = self.stats()
+        for name, doc, key in (
+                ("kvgate_num_requests_running", "Requests in the engine's running batch", "num_running"),
+                ("kvgate_num_requests_waiting", "Requests admitted to the engine, waiting to run", "num_waiting"),
+                ("kvgate_kv_cache_usage_perc", "Share of KV cache blocks in use (1 = 100%)", "kv_usage")):
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(self.labels, float(s.get(key, 0)))
+            yield g
+        for name, doc, key in (
+                ("kvgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+                ("kvgate_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+                ("kvgate_num_preemptions", "Sequences preempted (KV blocks ran out)", "num_preemptions")):
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(self.labels, float(s.get(key, 0)))
+            yield c
+
+
+@dataclass
+class _Timing:
+    """One admitted request as the worker saw it (Unix seconds)."""
+
+    created: float  # the gateway's XADD
+    admitted: float
+    parent: object  # the trace context the entry carried
+    prompt_tokens: int
+    first: float | None = None
+    last: float | None = None
+    tokens: dict[int, int] = field(default_factory=dict)
+    reason: str | None = None
+
+
+class WorkerMetrics:
+    def __init__(self, served_name: str, version: str, worker_id: str, stats: Callable[[], dict],
+                 registry: CollectorRegistry | None = None):
+        self.labels = (served_name, version)
+        self.worker_id = worker_id
+        self.registry = registry or CollectorRegistry()
+        self.registry.register(EngineCollector(stats, self.labels))
+        r = self.registry
+        self.ttft = Histogram("kvgate_time_to_first_token_seconds", "From admission to the engine "
+                              "to the first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("kvgate_time_per_output_token_seconds", "Mean time between a request's "
+                              "output tokens", LABELS, buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("kvgate_e2e_request_latency_seconds", "From the gateway's enqueue to the "
+                             "last token", LABELS, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("kvgate_request_queue_time_seconds", "Time in the Redis stream, from the "
+                               "gateway's enqueue to the worker's admission", LABELS,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens prefilled", LABELS, registry=r)
+        self.generation_tokens = Counter("kvgate_generation_tokens", "Tokens generated", LABELS, registry=r)
+        self.success = Counter("kvgate_request_success", "Requests finished, by finish reason",
+                               (*LABELS, "finished_reason"), registry=r)
+        self.failed = Counter("kvgate_request_failures", "Requests answered with an error by the "
+                              "worker, by error code", (*LABELS, "code"), registry=r)
+        for reason in ("stop", "length", "abort"):  # known series exist from the start
+            self.success.labels(*self.labels, reason)
+        for code in ("timeout", "engine_error", "context_length_exceeded", "invalid_request"):
+            self.failed.labels(*self.labels, code)
+        self.timings: dict[str, _Timing] = {}
+        self.url: str | None = None
+
+    def serve(self, host: str, port: int) -> str:
+        """Start /metrics on its own port (0: any free one); its URL."""
+        disable_created_metrics()  # no `_created` series beside each counter and histogram
+        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        self.url = f"http://{shown}:{server.server_port}/metrics"
+        log.info("metrics at %s", self.url)
+        return self.url
+
+    # -- what the service tells us ----------------------------------------------------------
+    def admitted(self, entry: protocol.RequestEntry, prompt_tokens: int) -> None:
+        now = time.time()
+        self.timings[entry.request_id] = _Timing(
+            created=min(entry.created, now), admitted=now, parent=telemetry.extract(entry.trace),
+            prompt_tokens=prompt_tokens)
+        self.queue.labels(*self.labels).observe(max(0.0, now - entry.created))
+        self.prompt_tokens.labels(*self.labels).inc(prompt_tokens)
+
+    def output(self, out: RequestOutput) -> None:
+        t = self.timings.get(out.request_id)
+        if t is None:
+            return
+        if out.new_token_ids:
+            t.last = time.time()
+            if t.first is None:
+                t.first = t.last
+                self.ttft.labels(*self.labels).observe(t.first - t.admitted)
+            t.tokens[out.index] = t.tokens.get(out.index, 0) + len(out.new_token_ids)
+            self.generation_tokens.labels(*self.labels).inc(len(out.new_token_ids))
+        if out.finished:
+            t.reason = out.finish_reason
+
+    def finished(self, request_id: str, reason: str | None = None) -> None:
+        """The request is over (done, or aborted when `reason` says so)."""
+        t = self.timings.pop(request_id, None)
+        if t is None:
+            return
+        now = time.time()
+        reason = reason or t.reason or "stop"
+        self.success.labels(*self.labels, reason).inc()
+        self.e2e.labels(*self.labels).observe(max(0.0, now - t.created))
+        n = max(t.tokens.values(), default=0)
+        if n >= 2:
+            self.tpot.labels(*self.labels).observe((t.last - t.first) / (n - 1))
+        self._spans(request_id, t, now, reason)
+        logs_fields = {"finish_reason": reason, "prompt_tokens": t.prompt_tokens,
+                       "completion_tokens": sum(t.tokens.values()),
+                       "ttft_ms": None if t.first is None else round((t.first - t.admitted) * 1000, 1),
+                       "e2e_ms": round((now - t.created) * 1000, 1)}
+        with logs.request_context(request_id):
+            log.info("request finished", extra=logs_fields)
+
+    def rejected(self, entry: protocol.RequestEntry, code: str) -> None:
+        """Answered with an error before (or instead of) running."""
+        self.timings.pop(entry.request_id, None)
+        self.failed.labels(*self.labels, code).inc()
+        if telemetry.enabled():
+            now = time.time()
+            telemetry.span_between("worker", telemetry.extract(entry.trace), now, now,
+                                   {"kvgate.request_id": entry.request_id, "kvgate.error": code},
+                                   kind=SpanKind.CONSUMER, error=code)
+        with logs.request_context(entry.request_id):
+            log.info("request refused by the worker", extra={"code": code})
+
+    def _spans(self, request_id: str, t: _Timing, end: float, reason: str) -> None:
+        """queue wait (gateway enqueue → admission), then the worker's span with prefill (admission
+        → first token) and decode (first → last token) under it."""
+        if not telemetry.enabled():
+            return
+        attrs = {"kvgate.request_id": request_id, "kvgate.model": self.labels[0],
+                 "kvgate.version": self.labels[1], "kvgate.worker_id": self.worker_id}
+        telemetry.span_between("queue wait", t.parent, t.created, t.admitted, attrs)
+        worker = telemetry.span_between(
+            "worker", t.parent, t.admitted, end, {**attrs, "gen_ai.usage.input_tokens": t.prompt_tokens,
+                                                   "gen_ai.usage.output_tokens": sum(t.tokens.values()),
+                                                   "kvgate.finish_reason": reason},
+            kind=SpanKind.CONSUMER)
+        first = t.first or end
+        telemetry.span_between("prefill", worker, t.admitted, first, attrs)
+        if t.first is not None:
+            telemetry.span_between("decode", worker, t.first, t.last or end, attrs)
