@@ -1,7 +1,6 @@
 """The gateway's FastAPI app: wiring only. Routes live in their own modules."""
 from __future__ import annotations
 
-import logging
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
@@ -18,11 +17,14 @@ from gateway.body_limit import BodyLimitMiddleware
 from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
+from gateway.metrics import metrics
+from gateway.observe import Observe
 from gateway.openai_api import router as openai_router
 from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.registry import Registry
 from gateway.routing import Router
 from gateway.usage import UsageBook
+from shared import logs, telemetry
 from shared.settings import GatewaySettings
 
 
@@ -54,7 +56,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         await app.state.dispatcher.stop()
         await client.aclose()
 
-    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan,
+    # FastAPI's own request spans are off: gateway/observe.py opens the server span, outermost
+    app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan, telemetry={"tracing": False},
                   description="OpenAI-compatible LLM gateway in front of paged-KV workers")
     app.state.settings = settings
     errors.install(app)
@@ -63,9 +66,13 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(canary_router)
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"])
     app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
+    app.add_api_route("/metrics", metrics, methods=["GET"], tags=["health"],
+                      summary="Prometheus metrics (no key, like the health routes)")
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    app.add_middleware(Observe)  # outermost: sees every refusal and every byte sent
+    logs.setup(settings.log_level, "gateway")
+    telemetry.setup_tracing("kvgate-gateway", settings.otlp_endpoint)
     return app
 
 

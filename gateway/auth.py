@@ -7,6 +7,7 @@ from fastapi import Depends, Request
 
 from gateway.keys import KeyRecord, bootstrap_record
 from shared.errors import AuthenticationFailed, PermissionDenied
+from shared.telemetry import traced
 
 
 def bearer_token(request: Request) -> str | None:
@@ -25,6 +26,7 @@ def _bootstrap(settings, token: str) -> KeyRecord | None:
     return None
 
 
+@traced("auth")
 async def authenticate(request: Request) -> KeyRecord:
     """The caller's key record, or 401 (missing, unknown, revoked or expired key)."""
     token = bearer_token(request)

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from shared import names, protocol
 from shared.errors import EngineFailure, Overloaded, RequestTimeout, from_code
+from shared.telemetry import traced
 
 log = logging.getLogger("kvgate.gateway")
 KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
@@ -78,6 +79,7 @@ class Dispatcher:
         if queue is not None:
             queue.put_nowait(reply)
 
+    @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry) -> "Handle":
         if not self.subscribed.is_set():
             raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)

@@ -20,6 +20,7 @@ from limits.aio.storage import RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
 from gateway.keys import KeyRecord
+from gateway.metrics import rate_limited
 from shared import names
 from shared.errors import RateLimited
 from shared.settings import GatewaySettings
@@ -139,6 +140,7 @@ class Limits:
                    "x-ratelimit-remaining-requests": str(stats.remaining),
                    "x-ratelimit-reset-requests": duration(wait)}
         if not admitted:
+            rate_limited("rpm")
             raise _with_headers(RateLimited(
                 f"Rate limit reached for key '{key.name}' on requests per minute (RPM): "
                 f"Limit {item.amount}, Used {item.amount}, Requested 1. "
@@ -156,6 +158,7 @@ class Limits:
                                       args=[now, key.max_concurrent, expires, request_id,
                                             int(self.settings.request_timeout_s) + 120])
         if not ok:
+            rate_limited("concurrency")
             raise RateLimited(f"Too many concurrent requests for key '{key.name}': "
                               f"Limit {key.max_concurrent} in flight. Retry when one finishes.",
                               retry_after=1)
@@ -175,11 +178,13 @@ class Limits:
             args=[estimate, tpm, key.daily_tokens if key.daily_tokens is not None else -1])
         headers = self.token_headers(tpm, used, wait if outcome == 2 else WINDOW_S)
         if outcome == 2:
+            rate_limited("tpm")
             raise _with_headers(RateLimited(
                 f"Rate limit reached for key '{key.name}' on tokens per minute (TPM): "
                 f"Limit {tpm}, Used {used}, Requested {estimate}. "
                 f"Please try again in {duration(wait)}.", retry_after=wait), headers)
         if outcome == 3:
+            rate_limited("daily")
             raise _with_headers(RateLimited(
                 f"Daily token budget of key '{key.name}' exhausted: Limit {key.daily_tokens}, "
                 f"Requested {estimate}. It resets at 00:00 UTC.",

@@ -17,7 +17,7 @@ from gateway.dispatch import KEEPALIVE, Handle
 from gateway.routing import VERSION_HEADER, Outcome, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.validation import check_context, check_model_allowed
-from shared import names, protocol
+from shared import logs, names, protocol, telemetry
 from shared.errors import KvgateError, NotFound
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
@@ -60,6 +60,7 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     check_context(await state.registry.max_model_len(body.model, version), body.limit(), prompt)
     await _reserve_tokens(request, lease, body, prompt)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
+    logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version), entry)
     lease.model, lease.version, lease.outcome = body.model, version, outcome
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
@@ -79,6 +80,7 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     return JSONResponse(result, headers=headers)
 
 
+@telemetry.traced("limits.tokens")
 async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict) -> None:
     """Tokens per minute and per day: charge the estimate now; admission's teardown settles it."""
     tokens = estimate.request_tokens(prompt, body.limit(), body.n)
@@ -102,7 +104,8 @@ def _entry(request: Request, lease: Lease, body, kind: str, version: str, prompt
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=request.app.state.dispatcher.channel,
         model=body.model, version=version, kind=kind, params=params, created=now,
         deadline=now + settings.request_timeout_s, priority=body.priority, key_id=lease.key.id,
-        cache_salt=lease.key.id if lease.key.cache_isolation else None, **prompt)
+        cache_salt=lease.key.id if lease.key.cache_isolation else None, trace=telemetry.inject(),
+        **prompt)
 
 
 class _Shape:
@@ -206,6 +209,7 @@ async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
                     if include_usage:
                         yield _event(shape.chunk([], usage=lease.usage))
         except KvgateError as exc:
+            lease.error_status = exc.status
             yield _event(exc.to_openai())
         yield b"data: [DONE]\n\n"
     finally:

@@ -1,8 +1,12 @@
 """The `kvgate` console script. Each subcommand is a thin front for one process or tool."""
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 import click
 
@@ -46,6 +50,9 @@ def demo_model(directory: str) -> None:
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
               help="Tests: wait this long before admitting each request")
+@click.option("--metrics-port", type=int, default=None,
+              help="Port of the worker's /metrics [default: KVGATE_METRICS_PORT, else 0 = any free]")
+@click.option("--metrics-host", default=None, help="Bind address of /metrics [default: 127.0.0.1]")
 def worker(model, served_name, version_, engine, redis_url, no_prefix_caching, **engine_opts) -> None:
     """Serve MODEL from the stream of (served name, version)."""
     from shared.settings import WorkerSettings
@@ -74,11 +81,33 @@ def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
     os.environ["KVGATE_HOST"], os.environ["KVGATE_PORT"] = host, str(port)
     if not os.environ.get("KVGATE_SECRET"):
         raise click.UsageError("set KVGATE_SECRET: the server secret API keys are HMAC-ed with")
+    from shared import logs
     from shared.settings import GatewaySettings
 
-    grace = GatewaySettings().drain_grace_s  # SIGTERM: stop accepting, let open streams finish
-    uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
-                workers=workers, log_level="warning", timeout_graceful_shutdown=int(grace))
+    settings = GatewaySettings()
+    logs.setup(settings.log_level, "gateway")
+    grace = settings.drain_grace_s  # SIGTERM: stop accepting, let open streams finish
+    with _metrics_dir():  # before prometheus_client is imported here or in any worker process
+        uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
+                    workers=workers, log_level="warning", log_config=None,
+                    timeout_graceful_shutdown=int(grace))
+
+
+@contextlib.contextmanager
+def _metrics_dir():
+    """PROMETHEUS_MULTIPROC_DIR for this gateway's processes, so /metrics sums all of them: a
+    fresh folder removed at exit, or the one given, emptied of an earlier run's files."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    folder = Path(given) if given else Path(tempfile.mkdtemp(prefix="kvgate-metrics-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.db"):
+        stale.unlink()
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    try:
+        yield
+    finally:
+        if not given:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @main.command()
@@ -91,6 +120,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
 @click.option("--redis-port", type=int, default=0, show_default=True, help="0 = any free port")
 @click.option("--state-dir", default=".kvgate", show_default=True,
               help="Where URLs and keys for scripts are written")
+@click.option("--gateway-workers", type=int, default=1, show_default=True, help="Gateway processes")
 def up(**opts) -> None:
     """Redis, a worker, the gateway and Celery (worker, beat) on 127.0.0.1; Ctrl-C stops all."""
     from kvgate.up import run_up
@@ -131,7 +161,8 @@ def celery_(args: tuple[str, ...]) -> None:
     the schedule (canary checks); further arguments go to celery."""
     from celery.bin.celery import main as celery_main
 
-    sys.argv = ["celery", "-A", "services.celery_app", *args]
+    # --quiet: no banner, so the log is JSON lines only
+    sys.argv = ["celery", "-A", "services.celery_app", "--quiet", *args]
     sys.exit(celery_main())
 
 

@@ -94,7 +94,8 @@ def wait_ready(stack: Stack, url: str, key: str, served_name: str) -> None:
     raise RuntimeError(f"stack not ready after {READY_TIMEOUT_S}s")
 
 
-def run_up(model, served_name, version_, engine, port, redis_port, state_dir) -> int:
+def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
+           gateway_workers: int = 1) -> int:
     state = Path(state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     model_dir = Path(model).resolve() if model else default_model_dir()
@@ -116,12 +117,15 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir) ->
         stack.spawn("worker", ["worker", "--model", str(model_dir), "--served-name", served_name,
                                "--version", version_, "--engine", engine,
                                "--redis-url", stack.redis.url], env)
-        stack.spawn("gateway", ["gateway", "--port", str(port), "--redis-url", stack.redis.url],
+        stack.spawn("gateway", ["gateway", "--port", str(port), "--redis-url", stack.redis.url,
+                                "--workers", str(gateway_workers)],
                     {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
                      "KVGATE_SECRET": server_secret(state)})
         spawn_services(stack, env)
         url = f"http://127.0.0.1:{port}"
         wait_ready(stack, url, key, served_name)
+        metrics_url = worker_metrics_url(stack.redis.url, served_name)
+        (state / "worker.metrics.url").write_text(metrics_url + "\n")
         _write_state(state, url, stack.redis.url, key, admin_key, model_dir)
         _announce(url, key, served_name, state)
         while not stopping:
@@ -136,6 +140,25 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir) ->
     finally:
         print("kvgate up: stopping", file=sys.stderr)
         stack.stop()
+
+
+def worker_metrics_url(redis_url: str, served_name: str) -> str:
+    """The /metrics URL the live worker of `served_name` put in its registry entry."""
+    import orjson
+    import redis
+
+    from shared import names
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        for worker_id in client.zrange(names.WORKERS_ZSET, 0, -1):
+            raw = client.get(names.worker_key(worker_id.decode()))
+            info = orjson.loads(raw) if raw else {}
+            if info.get("served_name") == served_name and info.get("metrics_url"):
+                return info["metrics_url"]
+    finally:
+        client.close()
+    raise RuntimeError("the worker did not say where its metrics are")
 
 
 def server_secret(state: Path) -> str:
@@ -162,6 +185,8 @@ def _announce(url: str, key: str, served_name: str, state: Path) -> None:
     print(f"kvgate is up at {url}  (model '{served_name}')")
     print(f"dev key: {key}")
     print(f"admin key: in {state / 'admin.key'} (for `kvgate keys ...` and /admin)")
+    worker_metrics = (state / "worker.metrics.url").read_text().strip()
+    print(f"metrics: {url}/metrics (gateway), {worker_metrics} (worker)")
     print("try:")
     print(f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"{served_name}\", \"stream\": true, "

@@ -7,9 +7,9 @@ both).
 """
 from __future__ import annotations
 
-from celery import Celery
+from celery import Celery, signals
 
-from shared import names
+from shared import logs, names
 from shared.settings import ServicesSettings
 
 TASK_MODULES = ["services.canary_tasks"]
@@ -30,6 +30,23 @@ def create_app(settings: ServicesSettings | None = None) -> Celery:
     )
     app.kvgate_settings = settings
     return app
+
+
+@signals.setup_logging.connect
+def _json_logs(loglevel=None, **_) -> None:
+    """Celery's worker and beat log JSON lines like every kvgate process (instead of Celery's own
+    format); each task's lines carry its task id as their request id."""
+    logs.setup(loglevel or ServicesSettings().log_level, "services")
+
+
+@signals.task_prerun.connect
+def _bind_task(task_id=None, **_) -> None:
+    logs.bind_request(f"task-{task_id}")
+
+
+@signals.task_postrun.connect
+def _unbind_task(**_) -> None:
+    logs.unbind_request()
 
 
 app = create_app()

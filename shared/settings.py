@@ -12,6 +12,8 @@ class CommonSettings(BaseSettings):
 
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where every process finds Redis")
     log_level: str = Field("INFO", description="Logging level")
+    otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector traces go to "
+                                      "(e.g. http://otel-collector:4318); unset: no tracing")
 
 
 class GatewaySettings(CommonSettings):
@@ -60,6 +62,9 @@ class WorkerSettings(CommonSettings):
                                     "answered with an engine error")
     fault_latency_ms: float = Field(0.0, ge=0, description="Tests only: delay before admitting a "
                                     "request (so before its first token)")
+    metrics_host: str = Field("127.0.0.1", description="Bind address of the worker's /metrics")
+    metrics_port: int = Field(0, ge=0, description="Port of the worker's /metrics (0: any free "
+                              "port; the URL is in its registry entry)")
 
 
 class ServicesSettings(CommonSettings):

@@ -59,10 +59,11 @@ class Stack:
         return live[0]
 
 
-def start_stack(model_dir: Path, state: Path, engine: str, extra_env: dict | None = None) -> Stack:
+def start_stack(model_dir: Path, state: Path, engine: str, extra_env: dict | None = None,
+                args: list[str] | None = None) -> Stack:
     env = {**os.environ, **(extra_env or {})}
     cmd = [sys.executable, "-m", "kvgate", "up", "--model", str(model_dir), "--port", "0",
-           "--state-dir", str(state), "--engine", engine]
+           "--state-dir", str(state), "--engine", engine, *(args or [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 240

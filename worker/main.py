@@ -1,9 +1,9 @@
 """`kvgate worker`: build the engine the settings name and serve its stream until SIGTERM/SIGINT."""
 from __future__ import annotations
 
-import logging
 import signal
 
+from shared import logs, telemetry
 from shared.settings import WorkerSettings
 
 
@@ -39,9 +39,14 @@ def _device(name: str) -> str:
 def run_worker(s: WorkerSettings) -> None:
     from worker.service import WorkerService
 
-    logging.basicConfig(level=s.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.setup(s.log_level, "worker")
+    telemetry.setup_tracing("kvgate-worker", s.otlp_endpoint)
     engine = build_engine(s)
     service = WorkerService(s, engine, engine.tokenizer)
+    service.metrics.serve(s.metrics_host, s.metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: service.drain())  # finish in-flight, then exit
     signal.signal(signal.SIGINT, lambda *_: service.stop())
-    service.run()
+    try:
+        service.run()
+    finally:
+        telemetry.shutdown()  # spans still batched go out before the process ends
