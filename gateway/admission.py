@@ -14,6 +14,7 @@ from gateway.auth import authenticate
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
 from gateway.routing import Outcome
+from shared import names
 from shared.telemetry import tracer
 
 log = logging.getLogger("kvgate.gateway")
@@ -31,6 +32,7 @@ class Lease:
     version: str | None = None  # set once dispatched: from then on the request counts as usage
     usage: dict | None = None  # the `usage` the client received
     outcome: Outcome | None = None  # timings and ending, for the canary analysis
+    lane: str = names.DEFAULT_LANE  # a batch line's token puts it in names.BATCH_LANE
     error_status: int | None = None  # the status of an error a stream ended with
 
     def charged_tokens(self) -> int:
@@ -49,12 +51,16 @@ def set_ratelimit_headers(request: Request, headers: dict[str, str]) -> None:
     request.state.ratelimit_headers = {**current, **headers}
 
 
+def _lane(request: Request) -> str:
+    return getattr(request.state, "lane", names.DEFAULT_LANE)  # set by authenticate
+
+
 async def admit(request: Request, key: KeyRecord = Depends(authenticate)) -> AsyncIterator[Lease]:
     limits = request.app.state.limits
     with tracer().start_as_current_span("limits"):
         set_ratelimit_headers(request, await limits.token_window(key))
         set_ratelimit_headers(request, await limits.count_request(key))
-        lease = Lease(key=key, slot_id=secrets.token_hex(8))
+        lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request))
         lease.slot = await limits.acquire_slot(key, lease.slot_id)
     request.state.lease = lease  # for the metrics and the access line (gateway/observe.py)
     try:

@@ -12,6 +12,9 @@ from fastapi.responses import JSONResponse
 
 from gateway import errors
 from gateway.admin_api import router as admin_router
+from gateway.batch_queue import BatchQueue
+from gateway.batches_api import router as batches_router
+from gateway.files_api import UPLOAD_ENVELOPE_BYTES, router as files_router
 from gateway.canary_api import router as canary_router
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.dispatch import Dispatcher
@@ -25,6 +28,8 @@ from gateway.registry import Registry
 from gateway.routing import Router
 from gateway.usage import UsageBook
 from shared import logs, telemetry
+from shared.batches import BatchStore
+from shared.files import FileStore
 from shared.settings import GatewaySettings
 
 
@@ -48,6 +53,9 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.keystore = KeyStore(client, settings.secret.get_secret_value())
         app.state.limits = Limits(client, settings)
         app.state.usage = UsageBook(client, settings.usage_retention_days)
+        app.state.files = FileStore(client, settings.data_dir, settings.file_retention_days * 86400)
+        app.state.batches = BatchStore(client, settings.file_retention_days * 86400)
+        app.state.batch_queue = BatchQueue(settings.redis_url)
         app.state.dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth)
         await app.state.dispatcher.start()
         await app.state.router.start()
@@ -64,12 +72,15 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
+    app.include_router(files_router)
+    app.include_router(batches_router)
     app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"])
     app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
     app.add_api_route("/metrics", metrics, methods=["GET"], tags=["health"],
                       summary="Prometheus metrics (no key, like the health routes)")
     app.add_middleware(RateLimitHeaders)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
+                       larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES})
     app.add_middleware(Observe)  # outermost: sees every refusal and every byte sent
     logs.setup(settings.log_level, "gateway")
     telemetry.setup_tracing("kvgate-gateway", settings.otlp_endpoint)

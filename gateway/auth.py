@@ -6,6 +6,8 @@ import hmac
 from fastapi import Depends, Request
 
 from gateway.keys import KeyRecord, bootstrap_record
+from shared import names
+from shared.batches import token_batch
 from shared.errors import AuthenticationFailed, PermissionDenied
 from shared.telemetry import traced
 
@@ -33,13 +35,32 @@ async def authenticate(request: Request) -> KeyRecord:
     if token is None:
         raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'")
     state = request.app.state
-    record = _bootstrap(state.settings, token) or await state.keystore.lookup(token)
+    record = (_bootstrap(state.settings, token) or await _batch_owner(request, token)
+              or await state.keystore.lookup(token))
     if record is None:
         raise AuthenticationFailed("Incorrect API key provided")
     if (why := record.refusal()) is not None:
         raise AuthenticationFailed(why, code="key_revoked" if record.status == "revoked" else "key_expired")
     request.state.key = record
     return record
+
+
+async def _batch_owner(request: Request, token: str) -> KeyRecord | None:
+    """A batch line (services/batch.py) carries its batch's token: it stands for the key that made
+    the batch, so the line is governed as that key's request, and it goes to the batch lane."""
+    state = request.app.state
+    batch_id = token_batch(state.settings.secret.get_secret_value(), token)
+    if batch_id is None:
+        return None
+    batch = await state.batches.find(batch_id)
+    if batch is None or batch.status != "in_progress":
+        raise AuthenticationFailed(f"Batch {batch_id} is not in progress", code="batch_not_running")
+    request.state.lane = names.BATCH_LANE
+    settings = state.settings
+    for secret, key_id, role in ((settings.admin_key, "admin", "admin"), (settings.api_key, "dev", "user")):
+        if batch.owner == key_id:
+            return bootstrap_record(key_id, role) if secret is not None else None
+    return await state.keystore.by_id(batch.owner)
 
 
 async def require_admin(key: KeyRecord = Depends(authenticate)) -> KeyRecord:

@@ -7,16 +7,18 @@ from shared.errors import PayloadTooLarge
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, larger: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}  # path -> its own limit (file uploads)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.larger.get(scope["path"], self.max_bytes)
         length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await self._refuse(send, limit)
         body, more = [], True
         total = 0
         while more:  # buffer (at most max_bytes) so chunked bodies are bounded too
@@ -25,8 +27,8 @@ class BodyLimitMiddleware:
                 return
             chunk = msg.get("body", b"")
             total += len(chunk)
-            if total > self.max_bytes:
-                return await self._refuse(send)
+            if total > limit:
+                return await self._refuse(send, limit)
             body.append(chunk)
             more = msg.get("more_body", False)
         replayed = False
@@ -40,8 +42,8 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send) -> None:
-        exc = PayloadTooLarge(f"Request body exceeds the limit of {self.max_bytes} bytes")
+    async def _refuse(self, send, limit: int) -> None:
+        exc = PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes")
         payload = orjson.dumps(exc.to_openai())
         await send({"type": "http.response.start", "status": exc.status,
                     "headers": [(b"content-type", b"application/json"),

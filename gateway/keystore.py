@@ -65,6 +65,11 @@ class KeyStore:
             raise NotFound(f"No API key named '{name_or_id}'", param="key", code="key_not_found")
         return KeyRecord.model_validate_json(raw)
 
+    async def by_id(self, key_id: str) -> KeyRecord | None:
+        """The record of a key id (never a name): whose batch a batch line runs for."""
+        raw = await self.redis.hget(names.key_record(key_id), "record")
+        return KeyRecord.model_validate_json(raw) if raw else None
+
     async def list(self) -> list[KeyRecord]:
         ids = await self.redis.hvals(names.KEY_NAMES)
         if not ids:

@@ -2,6 +2,7 @@
 check the key may use the model → route → check the context → reserve tokens → dispatch → respond."""
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -9,7 +10,7 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import estimate
 from gateway.admission import Lease, admit, set_ratelimit_headers
@@ -18,10 +19,12 @@ from gateway.routing import VERSION_HEADER, Outcome, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.validation import check_context, check_model_allowed
 from shared import logs, names, protocol, telemetry
+from shared.batches import BATCH_PRIORITY
 from shared.errors import KvgateError, NotFound
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
 
 
 @router.get("/models")
@@ -61,8 +64,10 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     await _reserve_tokens(request, lease, body, prompt)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     logs.rename_request(entry.request_id)
-    handle = await state.dispatcher.submit(names.request_stream(body.model, version), entry)
-    lease.model, lease.version, lease.outcome = body.model, version, outcome
+    handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry)
+    lease.model, lease.version = body.model, version
+    if lease.lane == names.DEFAULT_LANE:  # batch lines wait behind by design: no canary signal
+        lease.outcome = outcome
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     shape = _Shape(kind, entry.request_id, body.model, body.n)
     if body.stream:
@@ -70,12 +75,14 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
         gen = _sse(handle, shape, lease, usage, state.settings.keepalive_s, outcome)
         return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
     try:
-        result = await _collect(handle, shape, state.settings.keepalive_s, outcome)
+        result = await _unless_gone(request, _collect(handle, shape, state.settings.keepalive_s, outcome))
     except KvgateError as exc:  # an error the version answered with still names the version
         exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
         raise
     finally:
         handle.close("client_gone")
+    if result is None:  # the client left: nobody to answer (the close above cancelled the request)
+        return Response(status_code=499)
     lease.usage = result["usage"]
     return JSONResponse(result, headers=headers)
 
@@ -103,7 +110,8 @@ def _entry(request: Request, lease: Lease, body, kind: str, version: str, prompt
     return protocol.RequestEntry(
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=request.app.state.dispatcher.channel,
         model=body.model, version=version, kind=kind, params=params, created=now,
-        deadline=now + settings.request_timeout_s, priority=body.priority, key_id=lease.key.id,
+        deadline=now + settings.request_timeout_s, key_id=lease.key.id,
+        priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.id if lease.key.cache_isolation else None, trace=telemetry.inject(),
         **prompt)
 
@@ -184,6 +192,19 @@ async def _collect(handle: Handle, shape: _Shape, keepalive_s: float, outcome: O
         elif isinstance(reply, protocol.Done):
             return shape.final(texts, reasons, logprobs, _usage(reply))
     raise AssertionError("reply stream ended without done")  # pragma: no cover
+
+
+async def _unless_gone(request: Request, work) -> dict | None:
+    """The result of `work`, or None as soon as the client has gone: a non-streamed request is
+    cancelled when its client leaves, as a streamed one is (a batch's cancel relies on it)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                return None
+        return task.result()
+    finally:
+        task.cancel()
 
 
 def _event(obj: Any) -> bytes:

@@ -169,3 +169,7 @@ def celery_(args: tuple[str, ...]) -> None:
 from kvgate.canary_cli import canary  # noqa: E402  (canary releases, through the admin API)
 
 main.add_command(canary)
+
+from kvgate.batches_cli import batches  # noqa: E402  (batch jobs, through /v1/batches)
+
+main.add_command(batches)

@@ -71,9 +71,17 @@ class Stack:
 
 
 def spawn_services(stack: Stack, env: dict) -> None:
-    """Celery: a worker for the tasks (one process: `solo` pool) and beat for the schedule."""
-    stack.spawn("celery-worker", ["celery", "worker", "--pool", "solo", "--loglevel", "INFO",
-                                  "--without-gossip", "--without-mingle", "--without-heartbeat"], env)
+    """Celery: a worker for the tasks and beat for the schedule. The worker's threads run batches
+    (queue `batches`, at most KVGATE_BATCH_MAX_RUNNING at once) and leave two for the periodic
+    tasks (queue `celery`), so a long batch never holds up a canary check."""
+    from shared.batches import BATCH_QUEUE
+    from shared.settings import ServicesSettings
+
+    threads = ServicesSettings().batch_max_running + 2  # from the environment `env` copies
+    stack.spawn("celery-worker", ["celery", "worker", "--pool", "threads", "--concurrency",
+                                  str(threads), "--queues", f"celery,{BATCH_QUEUE}",
+                                  "--loglevel", "INFO", "--without-gossip", "--without-mingle",
+                                  "--without-heartbeat"], env)
     stack.spawn("celery-beat", ["celery", "beat", "--loglevel", "INFO",
                                 "--schedule", str(stack.state / "celerybeat-schedule")], env)
 
@@ -113,7 +121,8 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
         stack.redis = RedisServer(port=redis_port, data_dir=state / "redis").start()
         key = "sk-kvg-dev-" + secrets.token_urlsafe(24)
         admin_key = "sk-kvg-admin-" + secrets.token_urlsafe(24)
-        env = {**os.environ, "KVGATE_REDIS_URL": stack.redis.url}
+        env = {**os.environ, "KVGATE_REDIS_URL": stack.redis.url,
+               "KVGATE_DATA_DIR": os.environ.get("KVGATE_DATA_DIR", str(state / "data"))}
         stack.spawn("worker", ["worker", "--model", str(model_dir), "--served-name", served_name,
                                "--version", version_, "--engine", engine,
                                "--redis-url", stack.redis.url], env)
@@ -121,8 +130,8 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
                                 "--workers", str(gateway_workers)],
                     {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
                      "KVGATE_SECRET": server_secret(state)})
-        spawn_services(stack, env)
         url = f"http://127.0.0.1:{port}"
+        spawn_services(stack, {**env, "KVGATE_GATEWAY_URL": url, "KVGATE_SECRET": server_secret(state)})
         wait_ready(stack, url, key, served_name)
         metrics_url = worker_metrics_url(stack.redis.url, served_name)
         (state / "worker.metrics.url").write_text(metrics_url + "\n")

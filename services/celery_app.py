@@ -10,9 +10,10 @@ from __future__ import annotations
 from celery import Celery, signals
 
 from shared import logs, names
+from shared.batches import BATCH_QUEUE, BATCH_TASK
 from shared.settings import ServicesSettings
 
-TASK_MODULES = ["services.canary_tasks"]
+TASK_MODULES = ["services.canary_tasks", "services.batch_tasks", "services.maintenance_tasks"]
 
 
 def create_app(settings: ServicesSettings | None = None) -> Celery:
@@ -22,10 +23,16 @@ def create_app(settings: ServicesSettings | None = None) -> Celery:
         broker_transport_options={"global_keyprefix": names.CELERY_PREFIX},
         broker_connection_retry_on_startup=True,
         task_ignore_result=True,
+        task_routes={BATCH_TASK: {"queue": BATCH_QUEUE}},  # batch runs: their own queue
         beat_schedule={
             "canary-check": {"task": "kvgate.canary.check", "schedule": settings.canary_check_s,
                              # a check that could not run in its own period is superseded by the next
                              "options": {"expires": settings.canary_check_s}},
+            **{name: {"task": task, "schedule": settings.maintenance_s,
+                      "options": {"expires": settings.maintenance_s}}
+               for name, task in (("reap-workers", "kvgate.maintenance.reap_workers"),
+                                  ("expire-files", "kvgate.maintenance.expire_files"),
+                                  ("tend-batches", "kvgate.batches.tend"))},
         },
     )
     app.kvgate_settings = settings

@@ -112,3 +112,32 @@ CELERY_PREFIX = f"{PREFIX}:celery:"  # every key Celery (broker, beat) keeps in 
 def checkpoint_key(request_id: str) -> str:
     """List of every reply published for a request, in order (TTL): the resume and gap log."""
     return f"{PREFIX}:ckpt:{request_id}"
+
+
+# -- files and batch jobs (/v1/files, /v1/batches) -------------------------------------------
+def file_record(file_id: str) -> str:
+    """JSON of one uploaded or generated file (its bytes live under the data directory)."""
+    return f"{PREFIX}:file:{file_id}"
+
+
+def files_of(key_id: str) -> str:
+    """Sorted set file id -> created time: the files one key owns."""
+    return f"{PREFIX}:files:{key_id}"
+
+
+FILES_EXPIRY = f"{PREFIX}:files:expiry"  # sorted set file id -> expiry time, swept by maintenance
+
+
+def batch_record(batch_id: str) -> str:
+    """Hash of one batch: `record` (JSON, what never changes), `status`, `{status}_at` times,
+    request counters, token counters, result file ids. Status moves by compare-and-set only."""
+    return f"{PREFIX}:batch:{batch_id}"
+
+
+def batches_of(key_id: str) -> str:
+    """Sorted set batch id -> created time: the batches one key owns."""
+    return f"{PREFIX}:batches:{key_id}"
+
+
+BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # set of batch ids not yet in a final status
+BATCHES_RUNNING = f"{PREFIX}:batches:running"  # sorted set batch id -> runner lease expiry

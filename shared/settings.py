@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import secrets
+from pathlib import Path
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -16,7 +17,16 @@ class CommonSettings(BaseSettings):
                                       "(e.g. http://otel-collector:4318); unset: no tracing")
 
 
-class GatewaySettings(CommonSettings):
+class FilesSettings(CommonSettings):
+    """What the gateway (uploads, downloads) and the services (batch runs) share: the files."""
+
+    data_dir: Path = Field(Path(".kvgate/data"), description="Where uploaded and generated files "
+                           "are kept (shared by the gateway and the Celery worker)")
+    file_retention_days: float = Field(30.0, gt=0, description="Files (and finished batches) are "
+                                       "deleted this long after they were made")
+
+
+class GatewaySettings(FilesSettings):
     host: str = Field("127.0.0.1", description="Bind address (loopback by default)")
     port: int = Field(8000, description="HTTP port")
     api_key: SecretStr | None = Field(None, description="Bootstrap user key, valid besides the keys in Redis")
@@ -34,6 +44,10 @@ class GatewaySettings(CommonSettings):
     max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
+    max_file_bytes: int = Field(64 << 20, ge=1, description="Largest file /v1/files accepts "
+                                "(413 above)")
+    max_file_lines: int = Field(50_000, ge=1, description="Most lines (requests) a batch input "
+                                "file may have (400 above)")
     worker_stale_s: float = Field(3.0, gt=0, description="A worker whose last heartbeat is older "
                                   "gets no canary-routed traffic (failover to another version)")
 
@@ -67,5 +81,15 @@ class WorkerSettings(CommonSettings):
                               "port; the URL is in its registry entry)")
 
 
-class ServicesSettings(CommonSettings):
+class ServicesSettings(FilesSettings):
     canary_check_s: float = Field(10.0, gt=0, description="How often Celery beat runs the canary check")
+    maintenance_s: float = Field(30.0, gt=0, description="How often Celery beat reaps dead workers, "
+                                 "expires files and restarts stalled batches")
+    gateway_url: str = Field("http://127.0.0.1:8000", description="Where batch lines are sent (the "
+                             "gateway's own API, so they are governed like any request)")
+    secret: SecretStr | None = Field(None, description="The gateway's server secret: batch lines "
+                                     "carry a token derived from it (required to run batches)")
+    batch_concurrency: int = Field(8, ge=1, description="Lines of one batch in flight at once")
+    batch_max_running: int = Field(2, ge=1, description="Batches run at once (the rest wait)")
+    batch_max_attempts: int = Field(8, ge=1, description="Tries of a line that meets 503 or a "
+                                    "connection error (429s only slow the batch down)")

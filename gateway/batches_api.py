@@ -1,0 +1,95 @@
+"""/v1/batches: create, retrieve, list, cancel, with OpenAI's batch object. The gateway records a
+batch and queues it; the Celery runner (services/batch.py) does the work and moves its status.
+A batch belongs to the key that made it; to any other key it does not exist (404)."""
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gateway.admin_schemas import ErrorBody
+from gateway.files_api import account
+from gateway.keys import KeyRecord
+from shared.batches import BatchObject, BatchStore, Endpoint
+from shared.errors import Conflict, InvalidRequest
+
+ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
+    (400, "The input file is not a batch file"), (401, "No or a bad key"),
+    (403, "A batch line's token"), (404, "No such batch or input file for this key"),
+    (409, "The batch can no longer be cancelled"))}
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=ERRORS)
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # newer clients send fields we do not use
+
+    input_file_id: str = Field(description="A file uploaded with purpose 'batch'")
+    endpoint: Endpoint = Field(description="Where every line of the file goes")
+    completion_window: Literal["24h"] = Field(description="Lines not done by then expire")
+    metadata: dict[str, str] | None = Field(None, max_length=16,
+                                            description="Up to 16 pairs; keys ≤ 64 characters, "
+                                            "values ≤ 512")
+
+    @field_validator("metadata")
+    @classmethod
+    def _sizes(cls, v):
+        for key, value in (v or {}).items():
+            if len(key) > 64 or len(value) > 512:
+                raise ValueError("metadata keys are at most 64 characters, values at most 512")
+        return v
+
+
+class BatchList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[BatchObject]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+def _store(request: Request) -> BatchStore:
+    return request.app.state.batches
+
+
+@router.post("", response_model=BatchObject)
+async def create(body: BatchCreate, request: Request, key: KeyRecord = Depends(account)) -> BatchObject:
+    """A batch of the file's requests, each governed as this key's (models, limits, budgets)."""
+    file = await request.app.state.files.get(key.id, body.input_file_id, param="input_file_id")
+    if file.purpose != "batch":
+        raise InvalidRequest(f"File {file.id} was not uploaded with purpose 'batch'",
+                             param="input_file_id")
+    batch = await _store(request).create(key.id, body.endpoint, file.id, body.completion_window,
+                                         body.metadata)
+    await request.app.state.batch_queue.submit(batch.id)
+    return batch.public()
+
+
+@router.get("", response_model=BatchList)
+async def list_batches(request: Request, key: KeyRecord = Depends(account),
+                       after: str | None = Query(None, description="A batch id: the page after it"),
+                       limit: int = Query(20, ge=1, le=100)) -> BatchList:
+    """This key's batches, newest first."""
+    batches, more = await _store(request).list(key.id, after, limit)
+    data = [b.public() for b in batches]
+    return BatchList(data=data, first_id=data[0].id if data else None,
+                     last_id=data[-1].id if data else None, has_more=more)
+
+
+@router.get("/{batch_id}", response_model=BatchObject)
+async def retrieve(batch_id: str, request: Request, key: KeyRecord = Depends(account)) -> BatchObject:
+    """Status and progress (`request_counts`) as the runner goes."""
+    return (await _store(request).get(key.id, batch_id)).public()
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject)
+async def cancel(batch_id: str, request: Request, key: KeyRecord = Depends(account)) -> BatchObject:
+    """Stops sending lines and aborts those in flight; the batch is `cancelling` until the runner
+    has written what completed, then `cancelled`."""
+    store = _store(request)
+    await store.get(key.id, batch_id)
+    moved, status = await store.move(batch_id, "cancelling", "validating", "in_progress")
+    if not moved and status not in ("cancelling", "cancelled"):
+        raise Conflict(f"Cannot cancel a batch that is {status}", param="batch_id",
+                       code="batch_not_cancellable")
+    return (await store.get(key.id, batch_id)).public()

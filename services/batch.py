@@ -1,0 +1,372 @@
+"""Runs one batch: checks its input file line by line (a bad line goes to the error file with the
+reason), sends the good ones to the gateway a bounded number at a time, retries what is transient,
+and writes OpenAI's output and error files.
+
+Lines go through the gateway's own HTTP API, with a token derived from the server secret that
+stands for the batch's owner (`shared.batches.line_token`). So every line is governed exactly as
+the owner's interactive requests are, by the one code path that does it (the key's allowed models,
+rate limits and token budgets, routing, context checks, usage), its response body is the one a
+client would get, and the gateway puts it in the batch lane at a low engine priority. Calling the
+gateway's functions from here instead would mean a second copy of that path, which would drift.
+
+Results are appended to a progress file under the data directory as they come, so a runner that
+dies is resumed (by the maintenance beat) from where it was, and the final counts are counted from
+the same records the files are written from: `completed` is the output file's lines, `failed` the
+error file's.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import redis.asyncio as aioredis
+
+from shared.batches import Batch, BatchStore, line_token
+from shared.files import FileStore
+from shared.settings import ServicesSettings
+
+log = logging.getLogger("kvgate.services.batch")
+LEASE_S = 30.0  # a runner's hold on its batch; renewed every WATCH_S, so only a dead one lapses
+WATCH_S = 0.5  # how often a runner renews its lease and looks for a cancel or the deadline
+BACKOFF_S, BACKOFF_CAP_S = 0.5, 30.0
+TRANSIENT = {502, 503, 504}  # answers worth retrying (429 too, by pausing the whole batch)
+
+
+@dataclass
+class Line:
+    """One input line: what to send, or why it cannot be sent."""
+
+    number: int  # 1-based, in the input file
+    custom_id: str | None = None
+    body: dict | None = None
+    error: tuple[str, str] | None = None  # (code, message)
+
+
+def parse_lines(text: str, endpoint: str) -> list[Line]:
+    """Every non-blank line, checked for what the gateway cannot check: the batch's envelope
+    (`custom_id` unique, `method` POST, `url` the batch's endpoint, `body` with a `model`, no
+    `stream`). The body's own fields are checked by the gateway when the line is sent."""
+    seen: set[str] = set()
+    return [_check(n, raw, endpoint, seen) for n, raw in enumerate(text.splitlines(), 1)
+            if raw.strip()]
+
+
+def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> Line:
+    line = Line(number)
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        line.error = ("invalid_json", f"Line {number} is not valid JSON: {exc}")
+        return line
+    if not isinstance(obj, dict):
+        line.error = ("invalid_request", f"Line {number} is not a JSON object")
+        return line
+    cid = obj.get("custom_id")
+    line.custom_id = cid if isinstance(cid, str) and cid else None
+    body = obj.get("body")
+    why = None
+    if line.custom_id is None:
+        why = ("missing_custom_id", "custom_id must be a non-empty string")
+    elif cid in seen:
+        why = ("duplicate_custom_id", f"custom_id '{cid}' is used by an earlier line")
+    elif obj.get("method") != "POST":
+        why = ("invalid_method", f"method must be 'POST', not {obj.get('method')!r}")
+    elif obj.get("url") != endpoint:
+        why = ("mismatched_endpoint", f"url {obj.get('url')!r} is not the batch's endpoint '{endpoint}'")
+    elif not isinstance(body, dict):
+        why = ("invalid_body", "body must be a JSON object")
+    elif not isinstance(body.get("model"), str):
+        why = ("missing_model", "body.model must be a string")
+    elif body.get("stream"):
+        why = ("invalid_request", "stream is not supported in a batch")
+    if why is not None:
+        line.error = (why[0], f"Line {number}: {why[1]}")
+    else:
+        line.body = body
+    if line.custom_id is not None:
+        seen.add(line.custom_id)
+    return line
+
+
+def result(line: Line, *, status: int | None = None, request_id: str | None = None,
+           body: dict | None = None, error: tuple[str, str] | None = None) -> dict:
+    """One line of the output or error file, in OpenAI's shape: an HTTP answer in `response`, a
+    failure that had none in `error`."""
+    response = None if status is None else {"status_code": status, "request_id": request_id,
+                                            "body": body}
+    return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": line.custom_id,
+            "response": response,
+            "error": None if error is None else {"code": error[0], "message": error[1]}}
+
+
+def succeeded(record: dict) -> bool:
+    return record["response"] is not None and record["response"]["status_code"] == 200
+
+
+class Stopped(Exception):
+    """The batch left in_progress (cancelled) while a line was on its way."""
+
+
+class Progress:
+    """The results so far, one JSON line per input line, appended as they come."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def load(self) -> dict[int, dict]:
+        if not self.path.exists():
+            return {}
+        out = {}
+        for raw in self.path.read_bytes().splitlines():
+            try:
+                entry = orjson.loads(raw)
+            except orjson.JSONDecodeError:  # a line cut short by a crash
+                continue
+            out[entry["line"]] = entry["result"]
+        return out
+
+    def append(self, number: int, record: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "ab") as f:
+            f.write(orjson.dumps({"line": number, "result": record}) + b"\n")
+
+
+class Runner:
+    def __init__(self, settings: ServicesSettings, redis: aioredis.Redis, batch_id: str):
+        self.s = settings
+        self.id = batch_id
+        retention_s = settings.file_retention_days * 86400
+        self.store = BatchStore(redis, retention_s)
+        self.files = FileStore(redis, settings.data_dir, retention_s)
+        self.progress = Progress(Path(settings.data_dir) / "batches" / f"{batch_id}.jsonl")
+        self.pause_until = 0.0  # a 429 slows the whole batch down to the key's limits
+        self.transport: httpx.AsyncBaseTransport | None = None  # tests: a gateway stand-in
+
+    async def run(self) -> str:
+        """What happened, in a few words (the Celery task's result, and its log line)."""
+        held = await self.store.acquire(self.id, LEASE_S, self.s.batch_max_running)
+        if held != 1:
+            return "another runner has it" if held == 0 else "waiting: enough batches running"
+        try:
+            batch = await self.store.find(self.id)
+            if batch is None or batch.status in ("completed", "failed", "expired", "cancelled"):
+                return "nothing to do"
+            return await self._run(batch)
+        finally:
+            await self.store.release(self.id)
+
+    async def _run(self, batch: Batch) -> str:
+        if batch.status == "cancelling":
+            return await self._finalize(batch, [], "cancelled")
+        lines = await self._lines(batch)
+        if lines is None:
+            return "failed"
+        if batch.status == "validating":
+            await self.store.update(self.id, total=len(lines),
+                                    model=next((ln.body["model"] for ln in lines if ln.body), None))
+            moved, status = await self.store.move(self.id, "in_progress", "validating")
+            if not moved:
+                return await self._finalize(batch, lines, "cancelled")
+        done = self.progress.load()
+        await self.store.update(self.id, **_counts(done.values()))  # resumed: as far as it got
+        for line in lines:
+            if line.error is not None and line.number not in done:
+                await self._record(line, result(line, error=line.error))
+        todo = [ln for ln in lines if ln.body is not None and ln.number not in done]
+        ending = await self._send_all(batch, todo)
+        return await self._finalize(batch, lines, ending)
+
+    async def _lines(self, batch: Batch) -> list[Line] | None:
+        """The input file's lines; None when the batch cannot run at all (and has failed)."""
+        record = await self.files.find(batch.input_file_id)
+        why = None
+        if record is None or not self.files.path(record.id).exists():
+            why = ("file_not_found", f"Input file {batch.input_file_id} no longer exists")
+        elif self.s.secret is None:
+            why = ("server_error", "The batch runner has no KVGATE_SECRET to send lines with")
+        else:
+            try:
+                lines = parse_lines(self.files.path(record.id).read_bytes().decode("utf-8"),
+                                    batch.endpoint)
+                if lines:
+                    return lines
+                why = ("empty_file", "The input file has no lines")
+            except UnicodeDecodeError:
+                why = ("invalid_file", "The input file is not UTF-8")
+        await self.store.update(self.id, errors=[{"code": why[0], "message": why[1]}])
+        await self.store.finish(self.id, "failed", "validating", "in_progress")
+        log.warning("batch %s failed: %s", self.id, why[1])
+        return None
+
+    # -- sending ---------------------------------------------------------------------------
+    async def _send_all(self, batch: Batch, todo: list[Line]) -> str:
+        """Send every line, `batch_concurrency` at a time; 'completed', or why it stopped early
+        ('cancelled', 'expired'), in which case the lines still on their way are abandoned."""
+        queue: asyncio.Queue[Line] = asyncio.Queue()
+        for line in todo:
+            queue.put_nowait(line)
+        headers = {"Authorization": f"Bearer {line_token(self.s.secret.get_secret_value(), self.id)}"}
+        limits = httpx.Limits(max_connections=self.s.batch_concurrency)
+        timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
+        async with httpx.AsyncClient(base_url=self.s.gateway_url, headers=headers, limits=limits,
+                                     timeout=timeout, transport=self.transport) as http:
+            senders = [asyncio.create_task(self._sender(http, batch.endpoint, queue))
+                       for _ in range(min(self.s.batch_concurrency, len(todo)))]
+            watcher = asyncio.create_task(self._watch(batch))
+            all_sent = asyncio.gather(*senders)
+            await asyncio.wait({all_sent, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            ending = watcher.result() if watcher.done() else None
+            if ending is None:
+                try:
+                    all_sent.result()
+                    ending = "completed"
+                except Stopped:  # the gateway refused a line: the batch was cancelled meanwhile
+                    ending = "cancelled"
+            watcher.cancel()
+            for task in senders:  # closing their requests makes the gateway cancel them
+                task.cancel()
+            await asyncio.gather(*senders, return_exceptions=True)
+            return ending
+
+    async def _watch(self, batch: Batch) -> str:
+        """Keeps the lease; returns when the batch must stop: 'cancelled' or 'expired'."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            await self.store.renew(self.id, LEASE_S)
+            if (await self.store.status(self.id)) == "cancelling":
+                return "cancelled"
+            if batch.expires_at is not None and time.time() >= batch.expires_at:
+                return "expired"
+
+    async def _sender(self, http: httpx.AsyncClient, endpoint: str, queue: asyncio.Queue) -> None:
+        while not queue.empty():
+            line = queue.get_nowait()
+            await self._record(line, await self._send(http, endpoint, line))
+
+    async def _send(self, http: httpx.AsyncClient, endpoint: str, line: Line) -> dict:
+        """The line's result: the gateway's answer, retried while it is transient (503, a lost
+        connection: up to `batch_max_attempts` with backoff; 429: the batch pauses for as long as
+        the gateway says, and that costs no attempt)."""
+        attempt = 0
+        while True:
+            if (wait := self.pause_until - time.time()) > 0:
+                await asyncio.sleep(wait)
+            attempt += 1
+            try:
+                resp = await http.post(endpoint, json=line.body)
+            except httpx.TransportError as exc:
+                if attempt >= self.s.batch_max_attempts:
+                    return result(line, error=("connection_error", f"The gateway could not be "
+                                               f"reached after {attempt} tries: {type(exc).__name__}"))
+                await asyncio.sleep(_backoff(attempt))
+                continue
+            body = _json(resp)
+            code = (body.get("error") or {}).get("code") if isinstance(body, dict) else None
+            if resp.status_code == 401 and code == "batch_not_running":
+                raise Stopped
+            if resp.status_code == 429 and code != "insufficient_quota":
+                attempt -= 1
+                self.pause_until = max(self.pause_until, time.time() + _retry_after(resp, attempt))
+                continue
+            if resp.status_code in TRANSIENT and attempt < self.s.batch_max_attempts:
+                await asyncio.sleep(max(_retry_after(resp, attempt), _backoff(attempt)))
+                continue
+            return result(line, status=resp.status_code, request_id=resp.headers.get("x-request-id"),
+                          body=body)
+
+    async def _record(self, line: Line, record: dict) -> None:
+        self.progress.append(line.number, record)
+        usage = _usage(record)
+        if succeeded(record):
+            await self.store.add(self.id, completed=1, prompt_tokens=usage.get("prompt_tokens", 0),
+                                 completion_tokens=usage.get("completion_tokens", 0))
+        else:
+            await self.store.add(self.id, failed=1)
+
+    # -- the end ---------------------------------------------------------------------------
+    async def _finalize(self, batch: Batch, lines: list[Line], ending: str) -> str:
+        """Write the output and error files from the progress records, set the counts from the
+        same records, then the final status. A cancel that raced a completion wins."""
+        if ending == "completed":
+            moved, status = await self.store.move(self.id, "finalizing", "in_progress")
+            if not moved:
+                ending = "cancelled" if status == "cancelling" else ending
+        done = self.progress.load()
+        if ending == "expired":  # OpenAI's way: what did not run is reported as expired
+            for line in lines:
+                if line.number not in done:
+                    done[line.number] = result(line, error=(
+                        "batch_expired", "This line was not run before the batch expired"))
+        ordered = [done[n] for n in sorted(done)]
+        ok = [r for r in ordered if succeeded(r)]
+        failed = [r for r in ordered if not succeeded(r)]
+        output = await self._write(batch, "output", ok)
+        errors = await self._write(batch, "error", failed)
+        await self.store.update(self.id, total=len(lines) or None, output_file_id=output,
+                                error_file_id=errors, **_counts(ordered))
+        sources = {"completed": ("finalizing",), "cancelled": ("cancelling", "validating"),
+                   "expired": ("in_progress", "validating")}[ending]
+        if not await self.store.finish(self.id, ending, *sources):
+            await self.store.finish(self.id, "cancelled", "cancelling")
+        self.progress.path.unlink(missing_ok=True)
+        status = await self.store.status(self.id)
+        log.info("batch %s %s: %d completed, %d failed", self.id, status, len(ok), len(failed))
+        return f"{status}: {len(ok)} completed, {len(failed)} failed"
+
+    async def _write(self, batch: Batch, kind: str, records: list[dict]) -> str | None:
+        if not records:
+            return None
+        content = b"".join(orjson.dumps(r) + b"\n" for r in records)
+        made = await self.files.create(batch.owner, f"{batch.id}_{kind}.jsonl", "batch_output", content)
+        return made.id
+
+
+def _usage(record: dict) -> dict:
+    body = (record["response"] or {}).get("body")
+    return (body.get("usage") or {}) if isinstance(body, dict) else {}
+
+
+def _counts(records) -> dict[str, int]:
+    """The batch's counters, from result records."""
+    records = list(records)
+    ok = [r for r in records if succeeded(r)]
+    return {"completed": len(ok), "failed": len(records) - len(ok),
+            "prompt_tokens": sum(_usage(r).get("prompt_tokens", 0) for r in ok),
+            "completion_tokens": sum(_usage(r).get("completion_tokens", 0) for r in ok)}
+
+
+def _json(resp: httpx.Response):
+    try:
+        return resp.json()
+    except ValueError:
+        return {"error": {"message": resp.text[:500], "type": "server_error", "param": None,
+                          "code": None}}
+
+
+def _backoff(attempt: int) -> float:
+    return min(BACKOFF_CAP_S, BACKOFF_S * 2 ** (attempt - 1))
+
+
+def _retry_after(resp: httpx.Response, attempt: int) -> float:
+    try:
+        return min(BACKOFF_CAP_S, float(resp.headers["retry-after"]))
+    except (KeyError, ValueError):
+        return _backoff(max(1, attempt))
+
+
+def run_batch(settings: ServicesSettings, batch_id: str) -> str:
+    """One batch, from synchronous code (the Celery task)."""
+    async def once() -> str:
+        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                         socket_timeout=10)
+        try:
+            return await Runner(settings, client, batch_id).run()
+        finally:
+            await client.aclose()
+    return asyncio.run(once())

@@ -1,0 +1,34 @@
+"""Celery beat's maintenance tasks (the logic is in services/maintenance.py)."""
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+
+from services.celery_app import app
+from services.maintenance import reap_workers as _reap_workers
+from shared.files import FileStore
+
+
+def _with_redis(fn):
+    async def once():
+        client = aioredis.Redis.from_url(app.kvgate_settings.redis_url, socket_connect_timeout=2,
+                                         socket_timeout=5)
+        try:
+            return await fn(client)
+        finally:
+            await client.aclose()
+    return asyncio.run(once())
+
+
+@app.task(name="kvgate.maintenance.reap_workers")
+def reap_workers() -> dict[str, int]:
+    """Registry members and stream consumers of workers that are gone."""
+    return _with_redis(_reap_workers)
+
+
+@app.task(name="kvgate.maintenance.expire_files")
+def expire_files() -> int:
+    """Files past their expiry: deleted, bytes and record."""
+    s = app.kvgate_settings
+    return _with_redis(lambda r: FileStore(r, s.data_dir, s.file_retention_days * 86400).expire())
