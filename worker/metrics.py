@@ -29,6 +29,18 @@ TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4
 LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
                    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
+# engine.stats() key -> metric (vLLM's name under kvgate_), help
+GAUGES = (
+    ("num_running", "kvgate_num_requests_running", "Requests in the engine's running batch"),
+    ("num_waiting", "kvgate_num_requests_waiting", "Requests admitted to the engine, waiting to run"),
+    ("kv_usage", "kvgate_kv_cache_usage_perc", "Share of KV cache blocks in use (1 = 100%)"),
+)
+COUNTERS = (
+    ("prefix_cache_queries", "kvgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_cache_hits", "kvgate_prefix_cache_hits", "Prompt tokens found in the prefix cache"),
+    ("num_preemptions", "kvgate_num_preemptions", "Sequences preempted (KV blocks ran out)"),
+)
+
 
 class EngineCollector:
     """Gauges and counters straight from `engine.stats()`, read at scrape time (the engine's own
@@ -39,17 +51,11 @@ class EngineCollector:
 
     def collect(self):
         s = self.stats()
-        for name, doc, key in (
-                ("kvgate_num_requests_running", "Requests in the engine's running batch", "num_running"),
-                ("kvgate_num_requests_waiting", "Requests admitted to the engine, waiting to run", "num_waiting"),
-                ("kvgate_kv_cache_usage_perc", "Share of KV cache blocks in use (1 = 100%)", "kv_usage")):
+        for key, name, doc in GAUGES:
             g = GaugeMetricFamily(name, doc, labels=LABELS)
             g.add_metric(self.labels, float(s.get(key, 0)))
             yield g
-        for name, doc, key in (
-                ("kvgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
-                ("kvgate_prefix_cache_hits", "Prompt tokens found in the prefix cache", "prefix_cache_hits"),
-                ("kvgate_num_preemptions", "Sequences preempted (KV blocks ran out)", "num_preemptions")):
+        for key, name, doc in COUNTERS:
             c = CounterMetricFamily(name, doc, labels=LABELS)
             c.add_metric(self.labels, float(s.get(key, 0)))
             yield c

@@ -14,6 +14,7 @@ import subprocess
 import threading
 import time
 from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -40,8 +41,8 @@ def _prometheus_binary() -> str:
 
 
 class Obs:
-    def __init__(self, stack, prometheus_url: str, admin_key: str):
-        self.stack, self.prom, self.admin_key = stack, prometheus_url, admin_key
+    def __init__(self, stack, prometheus_url: str, admin_key: str, spans: list[dict]):
+        self.stack, self.prom, self.admin_key, self.spans = stack, prometheus_url, admin_key, spans
         self.sent: dict[tuple[str, str], int] = defaultdict(int)  # (route, status) -> requests
 
     def query(self, expr: str) -> dict:
@@ -77,15 +78,47 @@ def _start_prometheus(root: Path, gateway: str, worker_metrics: str) -> tuple[su
     raise RuntimeError("prometheus did not become ready")
 
 
+def _start_otlp_receiver() -> tuple[ThreadingHTTPServer, list[dict]]:
+    """A stand-in for the collector: takes OTLP/HTTP trace exports, keeps the spans."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    spans: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):
+            export = ExportTraceServiceRequest()
+            export.ParseFromString(self.rfile.read(int(self.headers["Content-Length"])))
+            for rs in export.resource_spans:
+                service = {a.key: a.value.string_value for a in rs.resource.attributes}["service.name"]
+                spans.extend({"service": service, "name": s.name, "trace_id": s.trace_id.hex(),
+                              "span_id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
+                              "attrs": {a.key: a.value.string_value for a in s.attributes}}
+                             for ss in rs.scope_spans for s in ss.spans)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *_):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, spans
+
+
 @pytest.fixture(scope="module")
 def obs(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("obs")
-    stack = start_stack(tiny_model_dir, root / ".kvgate", "paged", args=["--gateway-workers", "2"])
+    receiver, spans = _start_otlp_receiver()
+    otlp = {"KVGATE_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.server_port}",
+            "OTEL_BSP_SCHEDULE_DELAY": "200"}  # export every 0.2 s, not 5 s
+    stack = start_stack(tiny_model_dir, root / ".kvgate", "paged", otlp, args=["--gateway-workers", "2"])
     prom = None
     try:
         metrics_url = (stack.state / "worker.metrics.url").read_text().strip()
         prom, prom_url = _start_prometheus(root, stack.url, metrics_url)
-        o = Obs(stack, prom_url, (stack.state / "admin.key").read_text().strip())
+        o = Obs(stack, prom_url, (stack.state / "admin.key").read_text().strip(), spans)
         asyncio.run(_load(o))
         yield o
     finally:
@@ -93,6 +126,7 @@ def obs(tiny_model_dir, tmp_path_factory):
             prom.terminate()
             prom.wait(15)
         stop_stack(stack.proc)
+        receiver.shutdown()
 
 
 async def _load(o: Obs) -> None:
@@ -269,6 +303,23 @@ def _wait_for(check, what: str, timeout: float = 20) -> None:
 
 
 # -- traces ----------------------------------------------------------------------------------
+def test_gateway_and_worker_processes_export_one_trace_per_request(obs):
+    """Real processes, tracing switched on by KVGATE_OTLP_ENDPOINT: each request the worker served
+    is one trace, the gateway's server span (in either gateway process) its root."""
+    served = sum(n for (_, status), n in obs.sent.items() if status == "200")
+    _wait_for(lambda: sum(s["name"] == "decode" for s in obs.spans) >= served, "the spans of every request")
+    spans = list(obs.spans)
+    workers = [s for s in spans if s["service"] == "kvgate-worker" and s["name"] == "worker"]
+    assert len(workers) == served
+    for worker in workers:
+        trace = [s for s in spans if s["trace_id"] == worker["trace_id"]]
+        server = next(s for s in trace if s["service"] == "kvgate-gateway" and s["name"].startswith("POST /v1/"))
+        assert worker["parent"] == server["span_id"] and server["parent"] == ""
+        names = {s["name"] for s in trace}
+        assert names >= {"auth", "limits", "limits.tokens", "dispatch", "queue wait", "prefill", "decode"}
+        assert all(s["parent"] for s in trace if s is not server)  # one root
+
+
 def test_gateway_and_worker_spans_share_one_trace(redis_server, tiny_model_dir):
     """The gateway app in-process and a worker service in a thread, one Redis between them, both
     exporting to one in-memory exporter: the worker's spans join the gateway's trace through the
