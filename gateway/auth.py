@@ -63,8 +63,9 @@ async def _batch_owner(request: Request, token: str) -> KeyRecord | None:
     return await state.keystore.by_id(batch.owner)
 
 
-async def require_admin(key: KeyRecord = Depends(authenticate)) -> KeyRecord:
-    """/admin is for admin keys only: the settings' admin key or a record with role admin."""
-    if key.role != "admin":
+async def require_admin(request: Request, key: KeyRecord = Depends(authenticate)) -> KeyRecord:
+    """/admin is for admin keys only: the settings' admin key or a record with role admin (never a
+    batch line's token, whatever key made the batch)."""
+    if key.role != "admin" or getattr(request.state, "lane", None) == names.BATCH_LANE:
         raise PermissionDenied("This route needs an admin key", code="admin_key_required")
     return key

@@ -234,3 +234,27 @@ def test_interactive_ttft_holds_while_a_batch_runs_and_a_cancel_leaves_it_consis
     r = redis.Redis.from_url(stack.redis_url)
     assert r.xlen(names.request_stream("demo", "v1", names.BATCH_LANE)) == 0
     r.close()
+
+
+def test_a_line_token_only_sends_lines_of_its_running_batch(stack):
+    from shared.batches import line_token
+
+    admin = openai.OpenAI(base_url=stack.url + "/v1", max_retries=0,
+                          api_key=(stack.state / "admin.key").read_text().strip())
+    batch = _wait(admin, _submit(admin, [_request("one")]).id)  # made by an admin key
+    secret = (stack.state / "server.secret").read_text().strip()
+    token = {"Authorization": f"Bearer {line_token(secret, batch.id)}"}
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 1}
+    done = httpx.post(f"{stack.url}/v1/completions", json=body, headers=token)
+    assert done.status_code == 401 and done.json()["error"]["code"] == "batch_not_running"
+    forged = {"Authorization": f"Bearer {line_token('not-the-secret', batch.id)}"}
+    assert httpx.post(f"{stack.url}/v1/completions", json=body, headers=forged).status_code == 401
+    r = redis.Redis.from_url(stack.redis_url)  # as if it ran: still no way into files or /admin
+    r.hset(names.batch_record(batch.id), "status", "in_progress")
+    try:
+        assert httpx.get(f"{stack.url}/v1/files", headers=token).status_code == 403
+        assert httpx.get(f"{stack.url}/admin/keys", headers=token).status_code == 403
+        assert httpx.post(f"{stack.url}/v1/completions", json=body, headers=token).status_code == 200
+    finally:
+        r.hset(names.batch_record(batch.id), "status", "completed")
+        r.close()
