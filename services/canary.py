@@ -107,9 +107,9 @@ async def _record(store: RouteStore, old: Route, new: Route, action: Action) -> 
 
 
 def on_rollback(route: Route, reason: str) -> None:
-    """Hook for the metrics issue: increment a Prometheus counter here, e.g.
-    `kvgate_canary_rollbacks_total{alias, version}`. The Redis counter `rollbacks` in
-    `kvgate:canary:counts:{alias}` already counts the same thing."""
+    """Hook for whatever else must hear of a rollback. Prometheus needs nothing here: this Celery
+    process has no /metrics, so the gateway exports the Redis counter `rollbacks` (counted above)
+    as `kvgate_canary_rollbacks_total{trigger="automatic"}` (gateway/metrics.py)."""
 
 
 async def check_all(redis: aioredis.Redis) -> dict[str, str]:
