@@ -170,8 +170,8 @@ class Runner:
         if batch.status == "validating":
             await self.store.update(self.id, total=len(lines),
                                     model=next((ln.body["model"] for ln in lines if ln.body), None))
-            moved, status = await self.store.move(self.id, "in_progress", "validating")
-            if not moved:
+            moved, _ = await self.store.move(self.id, "in_progress", "validating")
+            if not moved:  # cancelled while validating
                 return await self._finalize(batch, lines, "cancelled")
         done = self.progress.load()
         await self.store.update(self.id, **_counts(done.values()))  # resumed: as far as it got
@@ -220,19 +220,20 @@ class Runner:
                        for _ in range(min(self.s.batch_concurrency, len(todo)))]
             watcher = asyncio.create_task(self._watch(batch))
             all_sent = asyncio.gather(*senders)
-            await asyncio.wait({all_sent, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            ending = watcher.result() if watcher.done() else None
-            if ending is None:
+            try:
+                await asyncio.wait({all_sent, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                if watcher.done():
+                    return watcher.result()
                 try:
                     all_sent.result()
-                    ending = "completed"
                 except Stopped:  # the gateway refused a line: the batch was cancelled meanwhile
-                    ending = "cancelled"
-            watcher.cancel()
-            for task in senders:  # closing their requests makes the gateway cancel them
-                task.cancel()
-            await asyncio.gather(*senders, return_exceptions=True)
-            return ending
+                    return "cancelled"
+                return "completed"
+            finally:
+                watcher.cancel()
+                for task in senders:  # closing their requests makes the gateway cancel them
+                    task.cancel()
+                await asyncio.gather(*senders, return_exceptions=True)
 
     async def _watch(self, batch: Batch) -> str:
         """Keeps the lease; returns when the batch must stop: 'cancelled' or 'expired'."""
