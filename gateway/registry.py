@@ -18,6 +18,7 @@ class Registry:
         self.cache_s = cache_s
         self._workers: list[dict] = []
         self._fetched = 0.0
+        self._seen: set[str] = set()  # names this process has seen served: never 404 after a Redis loss
 
     async def live_workers(self) -> list[dict]:
         if time.monotonic() - self._fetched < self.cache_s:
@@ -25,6 +26,7 @@ class Registry:
         ids = await self.redis.zrangebyscore(names.WORKERS_ZSET, time.time(), "+inf")
         infos = await self.redis.mget([names.worker_key(i.decode()) for i in ids]) if ids else []
         self._workers = [orjson.loads(raw) for raw in infos if raw]
+        self._seen.update(w["served_name"] for w in self._workers)
         self._fetched = time.monotonic()
         return self._workers
 
@@ -37,7 +39,8 @@ class Registry:
                        if w["served_name"] == served_name})
         if live:
             return live[-1]
-        if not await self.redis.exists(names.model_versions_key(served_name)):
+        if served_name not in self._seen and not await self.redis.exists(
+                names.model_versions_key(served_name)):
             raise NotFound(f"The model '{served_name}' does not exist", param="model")
         raise Overloaded(f"No live worker serves '{served_name}' right now; retry shortly",
                          param="model", retry_after=2)
