@@ -148,7 +148,7 @@ def test_failing_canary_is_rolled_back_by_the_beat_and_status_says_why(env):
     _cli(env, "canary", "set", ALIAS, "--version", "v3", "--weight", "50", "--steps", "50,100",
          "--interval", "1s", "--min-samples", "10", "--window", "60s")  # before v3 has a worker
     _, cohort = env.key(canary_cohort="canary")
-    assert _served(env.ask(cohort)) == "v1"  # stable, until v3 is up
+    _follows(env, cohort, "v1", time.monotonic())  # stable, until v3 is up
     env.start_worker("v3", "--fault-error-rate", "0.5", "--fault-latency-ms", "100")
     statuses, deadline = [], time.monotonic() + 60  # within the analysis window
     while env.route()["route"]["phase"] == "canary":
