@@ -89,20 +89,24 @@ class TorchAttention:
 
     @staticmethod
     def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
-        """query [n, Hq, D], the last n of seq_len positions; causal over the cached context."""
+        """query [n, Hq, D], the last n of seq_len positions; causal over the cached context.
+        4-D inputs with K/V expanded to every query head keep SDPA on its flash kernel on CPU
+        (3-D inputs, or enable_gqa with a mask, fall back to materialising every score)."""
         n, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         ids = block_table[:-(-seq_len // block_size)]
         k = k_cache.index_select(0, ids).view(-1, kv_heads, dim)[:seq_len].transpose(0, 1)
         v = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[:seq_len].transpose(0, 1)
-        q = query.transpose(0, 1)
+        if kv_heads != num_heads:
+            k, v = k.repeat_interleave(num_heads // kv_heads, 0), v.repeat_interleave(num_heads // kv_heads, 0)
+        q, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         if n == seq_len:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             pos = torch.arange(seq_len - n, seq_len, device=query.device)
             mask = torch.arange(seq_len, device=query.device) <= pos.unsqueeze(1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out.transpose(0, 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1)
 
 
 _DECODE_C = r"""
@@ -112,6 +116,7 @@ _DECODE_C = r"""
 #include <string.h>
 /* One query token per sequence, K/V read in place block by block: scores, softmax, weighted V.
    HEAD_DIM is fixed at compile time so the inner loops unroll into a few vector FMAs. */
+#define KV_HEAD(h) (G == 1 ? (h) : (h) / G) /* no integer division per token and head without GQA */
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
                       float* out, int B, int Hq, int Hkv, int bs, int bt_stride, float scale, int nthreads) {
   const int G = Hq / Hkv;
@@ -130,7 +135,7 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
         const int n = L - t0 < bs ? L - t0 : bs;
         for (int o = 0; o < n; o++, k += row_len)
           for (int h = 0; h < Hq; h++) {
-            const float* kh = k + (h / G) * HEAD_DIM; const float* qh = qb + h * HEAD_DIM;
+            const float* kh = k + KV_HEAD(h) * HEAD_DIM; const float* qh = qb + h * HEAD_DIM;
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int d = 0; d < HEAD_DIM; d++) dot += qh[d] * kh[d];
@@ -153,7 +158,7 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
         const int n = L - t0 < bs ? L - t0 : bs;
         for (int o = 0; o < n; o++, v += row_len)
           for (int h = 0; h < Hq; h++) {
-            const float* vh = v + (h / G) * HEAD_DIM; const float p = sc[h * L + t0 + o];
+            const float* vh = v + KV_HEAD(h) * HEAD_DIM; const float p = sc[h * L + t0 + o];
             float* oh = ob + h * HEAD_DIM;
             #pragma omp simd
             for (int d = 0; d < HEAD_DIM; d++) oh[d] += p * vh[d];
