@@ -312,12 +312,12 @@ def test_overload_sheds_with_503_and_short_requests_are_not_starved(cluster):
 
 
 def test_cancel_before_pickup_is_honoured_and_deadlines_are_enforced(cluster):
-    cluster.start_gateway(KVGATE_REQUEST_TIMEOUT_S="3")
-    cluster.start_worker("w1", "--max-num-seqs", "1")
+    cluster.start_gateway(KVGATE_REQUEST_TIMEOUT_S="1")
+    cluster.start_worker("w1", "--engine", "hf")  # one request at a time, ~ms per token: 2,000 take > 1 s
 
     async def scenario():
         async with _client(4) as client:
-            busy = asyncio.create_task(_stream(client, cluster.url, _body(0, 1500)))
+            busy = asyncio.create_task(_stream(client, cluster.url, _body(0, 2000)))
             while not cluster.info("w1")["active"]:
                 await asyncio.sleep(0.05)
             queued = asyncio.create_task(_stream(client, cluster.url, _body(1, 8)))
