@@ -260,7 +260,8 @@ def run_bench(quick: bool = False, out_json: str | None = "bench_engine.json") -
 
 
 def format_table(report: dict) -> str:
-    rows = [f"{'metric':<22}{'value':>12}  {'target':<8}{'met':<4}"]
+    rows = ["quick run: smaller workloads, the targets are for the full run"] if report["quick"] else []
+    rows.append(f"{'metric':<22}{'value':>12}  {'target':<8}{'met':<4}")
     for name, target in TARGETS.items():
         section, key = name.split(".")
         value = report[section][key]
