@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from worker.engine.base import ModelFacts
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -19,13 +20,13 @@ from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingP
 from worker.models.loader import read_model_config
 
 
-class LLMEngine:
+class LLMEngine(ModelFacts):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = read_model_config(config.model_dir)
-        self._tokenizer = load_tokenizer(config.model_dir)
-        self._eos_token_ids = eos_token_ids(config.model_dir, self._tokenizer)
-        self._max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        tokenizer = load_tokenizer(config.model_dir)
+        super().__init__(tokenizer, eos_token_ids(config.model_dir, tokenizer),
+                         config.max_model_len or self.model_config.max_position_embeddings)
         self.runner = ModelRunner(config, self.model_config, self._eos_token_ids)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
@@ -35,18 +36,6 @@ class LLMEngine:
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **overrides) -> LLMEngine:
         return cls(EngineConfig(model_dir=str(model_dir), **overrides))
-
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self._eos_token_ids
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     resume: Resume | None = None) -> None:
@@ -67,13 +56,7 @@ class LLMEngine:
 
     def _check_admission(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Reject what could never run, rather than let it wait forever."""
-        if not prompt_ids:
-            raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self._max_model_len:
-            raise EngineRejected(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                f"exceeds max_model_len of {self._max_model_len} tokens")
+        total = self.check_context(prompt_ids, params)
         blocks = self.pool.blocks_for(total)
         if blocks > self.pool.num_blocks:
             raise EngineRejected(

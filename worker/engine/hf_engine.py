@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from worker.engine.base import ModelFacts
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.stopping import check_finish
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
+from worker.engine.types import RequestOutput, Resume, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -31,12 +32,10 @@ class _Choice:
     detokenizer: IncrementalDetokenizer | None = None
 
 
-class HFEngine:
+class HFEngine(ModelFacts):
     def __init__(self, model, tokenizer, eos_ids: set[int], max_model_len: int):
         self.model = model.eval()
-        self._tokenizer = tokenizer
-        self._eos_token_ids = set(eos_ids)
-        self._max_model_len = max_model_len
+        super().__init__(tokenizer, eos_ids, max_model_len)
         self.sampler = Sampler(self._eos_token_ids)
         self.waiting: deque[_Choice] = deque()
         self.current: _Choice | None = None
@@ -62,27 +61,9 @@ class HFEngine:
         max_len = model.config.max_position_embeddings
         return cls(model, tokenizer, eos_token_ids(model_dir, tokenizer), max_len)
 
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self._eos_token_ids
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     resume: Resume | None = None) -> None:
-        if not prompt_ids:
-            raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
-        if len(prompt_ids) + params.max_tokens > self._max_model_len:
-            raise EngineRejected(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context length of {self._max_model_len} tokens"
-            )
+        self.check_context(prompt_ids, params)
         resume = resume or Resume()
         for index in range(params.n):
             if index not in resume.finished:

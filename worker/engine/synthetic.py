@@ -11,8 +11,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from worker.engine.base import ModelFacts
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
+from worker.engine.types import RequestOutput, Resume, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -24,11 +25,9 @@ class _Choice:
     num_output_tokens: int = 0
 
 
-class SyntheticEngine:
+class SyntheticEngine(ModelFacts):
     def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, max_num_seqs: int = 1024):
-        self._tokenizer = tokenizer
-        self._eos_token_ids = set(eos_ids)
-        self._max_model_len = max_model_len
+        super().__init__(tokenizer, eos_ids, max_model_len)
         self.max_num_seqs = max_num_seqs
         self.token_id, self.token_text = self._fixed_token(tokenizer, self._eos_token_ids)
         self.choices: dict[str, list[_Choice]] = {}
@@ -49,27 +48,10 @@ class SyntheticEngine:
         token = ids[0] if ids else 0
         return token, tokenizer.decode([token])
 
-    @property
-    def tokenizer(self):
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> set[int]:
-        return self._eos_token_ids
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     resume: Resume | None = None) -> None:
         """A resumed request continues each unfinished choice after the tokens it already sent."""
-        if not prompt_ids:
-            raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
-        if len(prompt_ids) + params.max_tokens > self._max_model_len:
-            raise EngineRejected(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                f"model's context length of {self._max_model_len} tokens")
+        self.check_context(prompt_ids, params)
         if request_id in self.choices:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         resume = resume or Resume()
