@@ -206,6 +206,9 @@ def test_disconnected_clients_free_every_block_and_leave_no_untimed_keys(cluster
 def test_redis_outage_gives_503s_then_everything_works_again(cluster):
     gateway = cluster.start_gateway()
     worker = cluster.start_worker("w1")
+    warm = httpx.post(cluster.url + "/v1/completions", headers=HEADERS, timeout=30,
+                      json={**_body(0, 2), "stream": False})  # the load was running before the outage
+    assert warm.status_code == 200, warm.text
     statuses: list[int] = []
 
     async def probe(client):
