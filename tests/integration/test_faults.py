@@ -242,6 +242,8 @@ def test_redis_outage_gives_503s_then_everything_works_again(cluster):
 
     def serving() -> bool:  # recovered = the gateway says ready and lists the model again
         models = httpx.get(cluster.url + "/v1/models", headers=HEADERS, timeout=2)
+        if models.status_code != 200:  # e.g. 503 while Redis is still coming back
+            return False
         return httpx.get(cluster.url + "/readyz", timeout=2).status_code == 200 and \
             [m["id"] for m in models.json()["data"]] == ["demo"]
     _wait(serving, gateway, timeout=30)
