@@ -14,7 +14,7 @@ from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
-from worker.engine.stopping import check_finish
+from worker.engine.stopping import check_finish, release_text
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.loader import read_model_config
@@ -102,23 +102,12 @@ class LLMEngine(ModelFacts):
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
         reason = check_finish(token, len(seq.output_ids), seq.params, self._eos_token_ids)
-        text, reason = self._detokenize(seq, token, reason)
+        text, reason = release_text(seq.detokenizer, token, reason, seq.params.include_stop_str_in_output)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
         return self._output(seq, [token], text, logprob)
-
-    @staticmethod
-    def _detokenize(seq: Sequence, token: int, reason: str | None) -> tuple[str, str | None]:
-        """A stop token's own text is left out unless asked for, as vLLM does; a stop string wins."""
-        detok = seq.detokenizer
-        if reason == "stop" and not seq.params.include_stop_str_in_output:
-            return detok.flush(), reason
-        text = detok.add([token])
-        if detok.stopped:
-            return text, "stop"
-        return (text + detok.flush(), reason) if reason else (text, None)
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], text: str, logprob: TokenLogprob | None) -> RequestOutput:

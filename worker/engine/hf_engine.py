@@ -16,7 +16,7 @@ import torch
 from worker.engine.base import ModelFacts
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampler import Sampler, SampleRow
-from worker.engine.stopping import check_finish
+from worker.engine.stopping import check_finish, release_text
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import RequestOutput, Resume, SamplingParams, TokenLogprob
 
@@ -118,7 +118,7 @@ class HFEngine(ModelFacts):
         (token,), (logprob,) = self.sampler(logits, [row])
         choice.output_ids.append(token)
         reason = check_finish(token, len(choice.output_ids), choice.params, self._eos_token_ids)
-        text, reason = self._detokenize(choice, token, reason)
+        text, reason = release_text(choice.detokenizer, token, reason, choice.params.include_stop_str_in_output)
         if reason is not None:
             self.current = None
         return self._output(choice, [token], text, reason, logprob)
@@ -132,17 +132,6 @@ class HFEngine(ModelFacts):
         cache_kw = {self._cache_arg: choice.cache}  # the DynamicCache grows in place
         out = self.model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache_kw)
         return out.logits[:, -1, :]
-
-    @staticmethod
-    def _detokenize(choice: _Choice, token: int, reason: str | None) -> tuple[str, str | None]:
-        """A stop token's own text is left out unless asked for, as vLLM does; a stop string wins."""
-        detok = choice.detokenizer
-        if reason == "stop" and not choice.params.include_stop_str_in_output:
-            return detok.flush(), reason
-        text = detok.add([token])
-        if detok.stopped:
-            return text, "stop"
-        return (text + detok.flush(), reason) if reason else (text, None)
 
     @staticmethod
     def _output(

@@ -17,3 +17,14 @@ def check_finish(
     if num_output_tokens >= params.max_tokens:
         return "length"
     return None
+
+
+def release_text(detok, token: int, reason: str | None, include_stop: bool) -> tuple[str, str | None]:
+    """Text a new token releases, and the finish reason: a stop token's own text is left out
+    unless asked for, as vLLM does; a stop string wins."""
+    if reason == "stop" and not include_stop:
+        return detok.flush(), reason
+    text = detok.add([token])
+    if detok.stopped:
+        return text, "stop"
+    return (text + detok.flush(), reason) if reason else (text, None)
