@@ -4,8 +4,11 @@ The v1 model: there is no prefill phase and no decode phase. Each sequence has n
 and a target (all its tokens); each step hands out a token budget, running sequences first (one
 decode token each, then the next chunk of any unfinished prefill), then waiting ones by priority
 and arrival, their prompts cut into chunks that fit the budget, so prefill and decode share a step.
-When blocks run out, the lowest-priority, newest unscheduled running sequence is preempted by
-recompute: it frees its blocks and waits again with everything it generated as its prompt-so-far.
+Prompts are prefilled strictly by priority: a step that prefills some prompt leaves out the chunks
+of worse-priority prompts (batch lines), so they never lengthen the step that produces a better
+prompt's first token; their decodes, one token each, still run. When blocks run out, the
+lowest-priority, newest unscheduled running sequence is preempted by recompute: it frees its blocks
+and waits again with everything it generated as its prompt-so-far.
 """
 from __future__ import annotations
 
@@ -35,22 +38,28 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        budget = self.max_num_batched_tokens
-        batch: ScheduledBatch = []
+        plan = _Plan(self.max_num_batched_tokens)
         preemptions = self.num_preemptions
-        # Decodes before prefill chunks, so a long prompt never stalls the streams already running.
-        for seq in sorted(self.running, key=lambda s: (_remaining(s) > 1, s.priority_key)):
-            if budget == 0:
+        # Decodes first, so a long prompt never stalls the streams already running; then prompt
+        # chunks by priority, waiting prompts that outrank a running chunk admitted before it.
+        decodes = sorted((s for s in self.running if _remaining(s) == 1), key=lambda s: s.priority_key)
+        chunks = sorted((s for s in self.running if _remaining(s) > 1), key=lambda s: s.priority_key)
+        for seq in decodes + chunks:
+            if plan.budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(_remaining(seq), budget, self._chunk_cap())
-            if self._allocate_or_preempt(seq, num_new, batch):
-                batch.append((seq, num_new))
-                budget -= num_new
+            if _remaining(seq) > 1:
+                if self.num_preemptions == preemptions:
+                    self._admit(plan, outranking=seq.params.priority)
+                if plan.outranks(seq):
+                    break  # chunks are sorted: the rest are outranked too
+            num_new = min(_remaining(seq), plan.budget, self._chunk_cap())
+            if num_new and self._allocate_or_preempt(seq, num_new, plan.batch):
+                plan.add(seq, num_new)
         if self.num_preemptions == preemptions:  # admitting while evicting would only thrash
-            self._admit(batch, budget)
-        return batch
+            self._admit(plan)
+        return plan.batch
 
     def _chunk_cap(self) -> int:
         """A long prefill leaves half the budget to waiting prompts, so it never starves short ones."""
@@ -65,20 +74,23 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+    def _admit(self, plan: _Plan, outranking: int | None = None) -> None:
+        """Admit waiting prompts in order (only those of a better priority than `outranking`, when
+        given) while budget, sequence slots and blocks last."""
+        while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if (outranking is not None and seq.params.priority >= outranking) or plan.outranks(seq):
+                break
             hits = self.pool.match_prefix(seq)
             num_cached = len(hits) * self.pool.block_size
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, plan.budget)
             if not self.pool.allocate(seq, num_new, hits):
                 break
             self.pool.record_lookup(seq.num_tokens, num_cached)
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.pop(0))
-            batch.append((seq, num_new))
-            budget -= num_new
+            plan.add(seq, num_new)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: the outputs so far stay and are re-prefilled as part of the prompt."""
@@ -97,6 +109,28 @@ class Scheduler:
         self.pool.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+
+
+class _Plan:
+    """One step's batch as it is built, its budget left, and the priority whose prompts it prefills.
+
+    Prompts are visited best priority first, so the first one scheduled sets that priority; a
+    worse one is then left out before any block is allocated for it (a block is offered to the
+    prefix cache only when its KV is written in the same step)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.batch: ScheduledBatch = []
+        self.prefill_priority: int | None = None
+
+    def outranks(self, seq: Sequence) -> bool:
+        return self.prefill_priority is not None and seq.params.priority > self.prefill_priority
+
+    def add(self, seq: Sequence, num_new: int) -> None:
+        if seq.num_tokens - seq.num_computed_tokens > 1 and self.prefill_priority is None:
+            self.prefill_priority = seq.params.priority
+        self.batch.append((seq, num_new))
+        self.budget -= num_new
 
 
 def _remaining(seq: Sequence) -> int:

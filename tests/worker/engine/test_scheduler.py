@@ -96,3 +96,50 @@ def test_budget_seq_cap_and_completion_under_random_load():
         assert sched.pool.num_free_blocks + sum(len(s.block_table) for s in sched.running) == 20
     assert all(s.is_finished and len(s.output_ids) == s.params.max_tokens for s in seqs)
     assert sched.pool.num_free_blocks == 20
+
+
+def test_a_better_priority_prompt_is_prefilled_without_worse_priority_chunks():
+    sched = make(budget=16, num_blocks=64)
+    talk = add(sched, 3)  # an interactive stream, decoding
+    step(sched)
+    batch_line = add(sched, 40, priority=1000)
+    step(sched)  # the batch line's prompt is under way
+    prompt = add(sched, 6)  # a person's prompt arrives
+    assert step(sched) == {talk.seq_id: 1, prompt.seq_id: 6}  # no batch chunk beside it
+    assert step(sched) == {talk.seq_id: 1, prompt.seq_id: 1, batch_line.seq_id: 14}  # it goes on
+    waiting_line = add(sched, 5, priority=1000)
+    late = add(sched, 4)
+    assert step(sched) == {talk.seq_id: 1, prompt.seq_id: 1, late.seq_id: 4}
+    assert waiting_line.status == SequenceStatus.WAITING and batch_line.num_computed_tokens == 29
+
+
+def test_a_worse_priority_prompt_goes_on_when_the_better_one_cannot_be_admitted():
+    sched = make(budget=16, num_blocks=64, max_seqs=1)
+    batch_line = add(sched, 40, priority=1000)
+    step(sched)
+    prompt = add(sched, 6)  # no sequence slot until the batch line is done: it must not stall
+    assert step(sched) == {batch_line.seq_id: 8}
+    while batch_line.status != SequenceStatus.FINISHED:
+        step(sched)
+    assert step(sched) == {prompt.seq_id: 6}
+
+
+def test_priorities_never_leave_blocks_cached_before_their_kv_is_written():
+    """Prompts left out of a step allocate nothing, so nothing they would write is offered to the
+    prefix cache early; under random priorities every cached block belongs to a computed prefix."""
+    rng = random.Random(7)
+    sched = make(budget=24, num_blocks=80, block_size=4, max_seqs=6)
+    for _ in range(200):
+        if rng.random() < 0.3:
+            add(sched, rng.randint(2, 30), priority=rng.choice([0, 1000]), max_tokens=rng.randint(1, 6))
+        batch = sched.schedule()
+        for seq, n in batch:
+            seq.num_computed_tokens += n
+        for seq in sched.running:
+            registered = seq.num_registered_blocks * sched.pool.block_size
+            assert registered <= seq.num_computed_tokens, "a cached block the step did not write"
+        for seq, n in batch:
+            if seq.num_computed_tokens == seq.num_tokens:
+                seq.append_token(1)
+                if len(seq.output_ids) >= seq.params.max_tokens:
+                    sched.finish(seq, "length")
