@@ -56,7 +56,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.files = FileStore(client, settings.data_dir, settings.file_retention_days * 86400)
         app.state.batches = BatchStore(client, settings.file_retention_days * 86400)
         app.state.batch_queue = BatchQueue(settings.redis_url)
-        app.state.dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth)
+        app.state.dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
+                                          settings.interactive_mark_ms)
         await app.state.dispatcher.start()
         await app.state.router.start()
         yield

@@ -19,16 +19,21 @@ KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-aliv
 RESYNC = object()  # put in every open queue after a resubscribe: replies may have been missed
 CANCEL_MARK_TTL_S = 600
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
+# An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms), in the
+# same round trip, so batch runners know to yield.
 _XADD_BOUNDED = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
+if KEYS[2] then redis.call('SET', KEYS[2], '1', 'PX', ARGV[4]) end
 return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
 """
 
 
 class Dispatcher:
-    def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000):
+    def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000,
+                 interactive_mark_ms: int = 1000):
         self.redis = redis
         self.max_stream_depth = max_stream_depth
+        self.interactive_mark_ms = interactive_mark_ms
         self._xadd_bounded = redis.register_script(_XADD_BOUNDED)
         self.channel = names.reply_channel(gateway_id)
         self.queues: dict[str, asyncio.Queue] = {}
@@ -80,14 +85,18 @@ class Dispatcher:
             queue.put_nowait(reply)
 
     @traced("dispatch")
-    async def submit(self, stream: str, entry: protocol.RequestEntry) -> "Handle":
+    async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True) -> "Handle":
+        """Enqueue; an interactive entry also marks its model busy for the batch runners."""
         if not self.subscribed.is_set():
             raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[entry.request_id] = queue
+        keys, args = [stream], [self.max_stream_depth, protocol.ENTRY_FIELD, protocol.encode(entry)]
+        if interactive and self.interactive_mark_ms:
+            keys.append(names.interactive_mark(entry.model))
+            args.append(self.interactive_mark_ms)
         try:
-            added = await self._xadd_bounded(keys=[stream], args=[
-                self.max_stream_depth, protocol.ENTRY_FIELD, protocol.encode(entry)])
+            added = await self._xadd_bounded(keys=keys, args=args)
         except Exception as exc:
             self.queues.pop(entry.request_id, None)
             raise Overloaded(f"queue unavailable ({type(exc).__name__}); retry shortly",

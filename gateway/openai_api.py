@@ -64,7 +64,8 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     await _reserve_tokens(request, lease, body, prompt)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     logs.rename_request(entry.request_id)
-    handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry)
+    handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
+                                           interactive=lease.lane == names.DEFAULT_LANE)
     lease.model, lease.version = body.model, version
     if lease.lane == names.DEFAULT_LANE:  # batch lines wait behind by design: no canary signal
         lease.outcome = outcome

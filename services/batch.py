@@ -27,6 +27,7 @@ import httpx
 import orjson
 import redis.asyncio as aioredis
 
+from shared import names
 from shared.batches import Batch, BatchStore, line_token
 from shared.files import FileStore
 from shared.settings import ServicesSettings
@@ -36,6 +37,7 @@ LEASE_S = 30.0  # a runner's hold on its batch; renewed every WATCH_S, so only a
 WATCH_S = 0.5  # how often a runner renews its lease and looks for a cancel or the deadline
 BACKOFF_S, BACKOFF_CAP_S = 0.5, 30.0
 TRANSIENT = {502, 503, 504}  # answers worth retrying (429 too, by pausing the whole batch)
+YIELD_POLL_S = 0.05  # how often held-back senders look whether interactive traffic has stopped
 
 
 @dataclass
@@ -142,11 +144,14 @@ class Runner:
         self.s = settings
         self.id = batch_id
         retention_s = settings.file_retention_days * 86400
+        self.redis = redis
         self.store = BatchStore(redis, retention_s)
         self.files = FileStore(redis, settings.data_dir, retention_s)
         self.progress = Progress(Path(settings.data_dir) / "batches" / f"{batch_id}.jsonl")
         self.pause_until = 0.0  # a 429 slows the whole batch down to the key's limits
         self.transport: httpx.AsyncBaseTransport | None = None  # tests: a gateway stand-in
+        self._marks: dict[str, tuple[float, bool]] = {}  # model -> (looked at, interactive busy)
+        self.held_s = 0.0  # sender-seconds spent yielding to interactive traffic
 
     async def run(self) -> str:
         """What happened, in a few words (the Celery task's result, and its log line)."""
@@ -216,8 +221,8 @@ class Runner:
         timeout = httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None)
         async with httpx.AsyncClient(base_url=self.s.gateway_url, headers=headers, limits=limits,
                                      timeout=timeout, transport=self.transport) as http:
-            senders = [asyncio.create_task(self._sender(http, batch.endpoint, queue))
-                       for _ in range(min(self.s.batch_concurrency, len(todo)))]
+            senders = [asyncio.create_task(self._sender(http, batch.endpoint, queue, slot))
+                       for slot in range(min(self.s.batch_concurrency, len(todo)))]
             watcher = asyncio.create_task(self._watch(batch))
             all_sent = asyncio.gather(*senders)
             try:
@@ -245,10 +250,30 @@ class Runner:
             if batch.expires_at is not None and time.time() >= batch.expires_at:
                 return "expired"
 
-    async def _sender(self, http: httpx.AsyncClient, endpoint: str, queue: asyncio.Queue) -> None:
+    async def _sender(self, http: httpx.AsyncClient, endpoint: str, queue: asyncio.Queue,
+                      slot: int) -> None:
         while not queue.empty():
             line = queue.get_nowait()
+            await self._yield_to_interactive(slot, line.body["model"])
             await self._record(line, await self._send(http, endpoint, line))
+
+    async def _yield_to_interactive(self, slot: int, model: str) -> None:
+        """Senders past `batch_concurrency_busy` wait while the model has interactive traffic (the
+        gateway keeps a short-lived mark per model). Each line costs the gateway, the engine and,
+        on one machine, the CPU that interactive requests need; so the batch takes only what
+        people leave, and runs at full width once they are gone."""
+        started = time.monotonic()
+        while slot >= self.s.batch_concurrency_busy and await self._interactive_busy(model):
+            await asyncio.sleep(YIELD_POLL_S)
+        self.held_s += time.monotonic() - started
+
+    async def _interactive_busy(self, model: str) -> bool:
+        """Whether the model's interactive mark is set; looked up at most once per poll interval."""
+        looked, busy = self._marks.get(model, (0.0, False))
+        if time.monotonic() - looked >= YIELD_POLL_S:
+            busy = bool(await self.redis.exists(names.interactive_mark(model)))
+            self._marks[model] = (time.monotonic(), busy)
+        return busy
 
     async def _send(self, http: httpx.AsyncClient, endpoint: str, line: Line) -> dict:
         """The line's result: the gateway's answer, retried while it is transient (503, a lost
@@ -317,7 +342,8 @@ class Runner:
             await self.store.finish(self.id, "cancelled", "cancelling")
         self.progress.path.unlink(missing_ok=True)
         status = await self.store.status(self.id)
-        log.info("batch %s %s: %d completed, %d failed", self.id, status, len(ok), len(failed))
+        log.info("batch %s %s: %d completed, %d failed; senders held back %.1f s for interactive "
+                 "traffic", self.id, status, len(ok), len(failed), self.held_s)
         return f"{status}: {len(ok)} completed, {len(failed)} failed"
 
     async def _write(self, batch: Batch, kind: str, records: list[dict]) -> str | None:

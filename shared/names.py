@@ -12,6 +12,12 @@ def request_stream(model: str, version: str, lane: str = DEFAULT_LANE) -> str:
     return f"{PREFIX}:req:{model}:{version}:{lane}"
 
 
+def interactive_mark(model: str) -> str:
+    """Set, with a short TTL, on every interactive request for a model name: while it exists, batch
+    runners send that model's lines only a few at a time (the batch lane yields to people)."""
+    return f"{PREFIX}:interactive:{model}"
+
+
 def reply_channel(gateway_id: str) -> str:
     """Pub/sub channel a gateway process listens on for the deltas of its own requests."""
     return f"{PREFIX}:reply:{gateway_id}"

@@ -48,6 +48,9 @@ class GatewaySettings(FilesSettings):
                                 "(413 above)")
     max_file_lines: int = Field(50_000, ge=1, description="Most lines (requests) a batch input "
                                 "file may have (400 above)")
+    interactive_mark_ms: int = Field(1000, ge=0, description="Batch lines of a model run at most "
+                                     "KVGATE_BATCH_CONCURRENCY_BUSY at a time until this long after "
+                                     "its last interactive request (0: batches never yield)")
     worker_stale_s: float = Field(3.0, gt=0, description="A worker whose last heartbeat is older "
                                   "gets no canary-routed traffic (failover to another version)")
 
@@ -90,6 +93,9 @@ class ServicesSettings(FilesSettings):
     secret: SecretStr | None = Field(None, description="The gateway's server secret: batch lines "
                                      "carry a token derived from it (required to run batches)")
     batch_concurrency: int = Field(8, ge=1, description="Lines of one batch in flight at once")
+    batch_concurrency_busy: int = Field(1, ge=0, description="Lines of one batch in flight while "
+                                        "the model has interactive traffic (0: the batch waits "
+                                        "until there is none)")
     batch_max_running: int = Field(2, ge=1, description="Batches run at once (the rest wait)")
     batch_max_attempts: int = Field(8, ge=1, description="Tries of a line that meets 503 or a "
                                     "connection error (429s only slow the batch down)")

@@ -211,3 +211,28 @@ async def test_tend_starts_only_batches_no_runner_holds(env):
     await tend_batches(client, started.append)
     assert free.id in started and held.id not in started
     await store.release(held.id)
+
+
+async def test_a_batch_yields_to_interactive_traffic_and_widens_when_it_stops(env, monkeypatch):
+    client, settings = env
+    monkeypatch.setattr(runner_mod, "YIELD_POLL_S", 0.01)
+    settings = settings.model_copy(update={"batch_concurrency": 4, "batch_concurrency_busy": 1})
+    batch, _ = await _batch(client, settings, [line(f"r{i}") for i in range(40)])
+    mark = names.interactive_mark("demo")
+    await client.set(mark, "1", px=400)  # as the gateway does on an interactive request
+    in_flight, widths = 0, []
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        nonlocal in_flight
+        in_flight += 1
+        widths.append((in_flight, await client.exists(mark)))
+        await asyncio.sleep(0.02)
+        in_flight -= 1
+        return _completion(request)
+
+    outcome, done = await _run(client, settings, batch, gateway)
+    assert done.status == "completed", outcome
+    busy = [w for w, marked in widths if marked]
+    free = [w for w, marked in widths if not marked]
+    assert busy and max(busy) == 1  # one line at a time while people are served: it still moves
+    assert free and max(free) == 4  # full width once the mark has expired
