@@ -20,6 +20,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto, torch or triton
     num_blocks: int | None = None  # overrides the memory budget (tests)
+    enforce_eager: bool = False  # vLLM's name: True turns off CUDA graphs for decode steps
+    max_cuda_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
+    pad_decode_eagerly: bool = False  # tests: decode steps take the graphs' padded buffers, uncaptured
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

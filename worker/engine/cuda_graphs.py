@@ -4,7 +4,9 @@ A decode step launches hundreds of small kernels whose launch cost dwarfs their 
 batch sizes; a captured graph replays them in one launch. Graphs bake in tensor addresses and
 shapes, so inputs live in static buffers sized for the largest bucket, and a live batch of n rows
 is copied in and padded up to the smallest bucket >= n. Padding rows must be harmless: slot -1
-(no K/V write) and sequence length 0 (the decode kernel returns zeros for them). Off on CPU.
+(no K/V write) and sequence length 0 (the decode kernel returns zeros for them). Off on CPU, where
+`pad_eagerly` still stages and pads each batch and runs the step on the bucket without a graph, so
+tests can check the padding.
 """
 from __future__ import annotations
 
@@ -28,12 +30,15 @@ class DecodeGraphs:
     trailing dims, e.g. block-table columns, sized for the longest context). `pad` gives the value
     padding rows hold per buffer (default 0). `step` must only read the inputs it is handed (and
     state that does not change between steps, such as weights and KV caches) and return a tensor
-    with the batch first.
+    with the batch first. With `pad_eagerly`, a bucket without a graph still runs on the padded
+    static buffers (eagerly) instead of on the live inputs.
     """
 
     def __init__(self, step: StepFn, buffers: Mapping[str, torch.Tensor],
-                 pad: Mapping[str, float] | None = None, enabled: bool | None = None):
+                 pad: Mapping[str, float] | None = None, enabled: bool | None = None,
+                 pad_eagerly: bool = False):
         self.step = step
+        self.pad_eagerly = pad_eagerly
         self.buffers = dict(buffers)
         self.pad = dict(pad or {})
         self.max_batch = min(b.shape[0] for b in self.buffers.values())
@@ -50,7 +55,7 @@ class DecodeGraphs:
             return
         pool = None
         for size in reversed(self.buckets):
-            inputs = {name: buf[:size] for name, buf in self.buffers.items()}
+            inputs = self.bucket_inputs(size)
             self.step(inputs)  # warm-up: Triton compiles, lazy inits, allocator settles
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -63,14 +68,21 @@ class DecodeGraphs:
     def bucket_for(self, num_rows: int) -> int | None:
         return next((b for b in self.buckets if b >= num_rows), None)
 
+    def bucket_inputs(self, size: int) -> dict[str, torch.Tensor]:
+        return {name: buf[:size] for name, buf in self.buffers.items()}
+
     def run(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         num_rows = next(iter(inputs.values())).shape[0]
         bucket = self.bucket_for(num_rows)
-        if bucket not in self.graphs:
+        if bucket in self.graphs:
+            self.stage(inputs, bucket)
+            graph, out = self.graphs[bucket]
+            graph.replay()
+        elif bucket is not None and self.pad_eagerly:
+            self.stage(inputs, bucket)
+            out = self.step(self.bucket_inputs(bucket))
+        else:
             return self.step(dict(inputs))
-        self.stage(inputs, bucket)
-        graph, out = self.graphs[bucket]
-        graph.replay()
         return out[:num_rows]
 
     def stage(self, inputs: Mapping[str, torch.Tensor], bucket: int) -> None:

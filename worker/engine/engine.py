@@ -27,7 +27,7 @@ class LLMEngine(ModelFacts):
         tokenizer = load_tokenizer(config.model_dir)
         super().__init__(tokenizer, eos_token_ids(config.model_dir, tokenizer),
                          config.max_model_len or self.model_config.max_position_embeddings)
-        self.runner = ModelRunner(config, self.model_config, self._eos_token_ids)
+        self.runner = ModelRunner(config, self.model_config, self._eos_token_ids, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
         self.requests: dict[str, list[Sequence]] = {}

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from worker.engine.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
+from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
@@ -43,10 +45,12 @@ def make_backend(name: str, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int]):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int],
+                 max_model_len: int):
         self.device = config.torch_device()
         self.dtype = config.torch_dtype(model_cfg.dtype)
         self.block_size = config.block_size
+        self.max_model_len = max_model_len
         self.backend = make_backend(config.attention_backend, self.device)
         self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend)
         self.num_blocks = config.num_blocks or self._blocks_from_budget(config, model_cfg)
@@ -59,6 +63,44 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.sampler = Sampler(eos_token_ids)
+        self.decode_graphs = self._build_decode_graphs(config)
+        self.num_graph_steps = 0  # decode steps that went through decode_graphs
+
+    @torch.inference_mode()
+    def _build_decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
+        """Triton only: its decode step reads nothing on the host that changes between steps.
+        Captured on CUDA once the KV caches exist; on CPU only `pad_decode_eagerly` builds it."""
+        if self.backend.name != "triton" or config.enforce_eager:
+            return None
+        if self.device.type != "cuda" and not config.pad_decode_eagerly:
+            return None
+        rows = min(config.max_cuda_graph_batch, config.max_num_seqs)
+        width = -(-self.max_model_len // self.block_size)
+        buffers = {
+            "input_ids": torch.zeros(rows, dtype=torch.int64, device=self.device),
+            "positions": torch.zeros(rows, dtype=torch.int64, device=self.device),
+            "slot_mapping": torch.zeros(rows, dtype=torch.int64, device=self.device),
+            "seq_lens": torch.zeros(rows, dtype=torch.int32, device=self.device),
+            "block_tables": torch.zeros(rows, width, dtype=torch.int32, device=self.device),
+        }
+        query_start = torch.arange(rows + 1, dtype=torch.int32, device=self.device)
+        graphs = DecodeGraphs(partial(self._decode_step, query_start), buffers, pad={"slot_mapping": -1},
+                              enabled=not config.pad_decode_eagerly, pad_eagerly=config.pad_decode_eagerly)
+        graphs.capture()
+        return graphs
+
+    def _decode_step(self, query_start: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Logits of a decode-only batch. max_seq_len is the model's limit so the Triton split count
+        depends on the batch size alone; the true lengths are on the device (host lists: bounds)."""
+        n = inputs["input_ids"].shape[0]
+        meta = AttentionMetadata(
+            slot_mapping=inputs["slot_mapping"], query_start_loc=query_start[:n + 1],
+            seq_lens=inputs["seq_lens"], block_tables=inputs["block_tables"],
+            max_query_len=1, max_seq_len=self.max_model_len,
+            query_lens_cpu=[1] * n, seq_lens_cpu=[self.max_model_len] * n,
+        )
+        hidden = self.model(inputs["input_ids"], inputs["positions"], self.kv_caches, meta)
+        return self.model.compute_logits(hidden)
 
     def _block_bytes(self, cfg: ModelConfig) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -80,14 +122,31 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """Forward the batch; sample one token for each sequence whose chunk reached its end."""
         inputs = self._prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-        if not inputs.sample_rows:
-            return []  # only partial prefill chunks: nothing to sample yet
-        logits = self.model.compute_logits(hidden[inputs.sample_tokens])
+        if self._takes_decode_graph(inputs):
+            logits = self._graph_logits(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            if not inputs.sample_rows:
+                return []  # only partial prefill chunks: nothing to sample yet
+            logits = self.model.compute_logits(hidden[inputs.sample_tokens])
         seqs = [batch[r][0] for r in inputs.sample_rows]
         rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.index) for s in seqs]
         tokens, logprobs = self.sampler(logits, rows)
         return list(zip(seqs, tokens, logprobs))
+
+    def _takes_decode_graph(self, inputs: BatchInputs) -> bool:
+        """Decode-only, every row samples (so logits row i is batch row i), and a bucket fits."""
+        meta = inputs.meta
+        return (self.decode_graphs is not None and meta.is_decode_only
+                and len(inputs.sample_rows) == meta.num_seqs <= self.decode_graphs.max_batch)
+
+    def _graph_logits(self, inputs: BatchInputs) -> torch.Tensor:
+        self.num_graph_steps += 1
+        meta = inputs.meta
+        return self.decode_graphs.run({
+            "input_ids": inputs.input_ids, "positions": inputs.positions,
+            "slot_mapping": meta.slot_mapping, "seq_lens": meta.seq_lens, "block_tables": meta.block_tables,
+        })
 
     def _prepare(self, batch: ScheduledBatch) -> BatchInputs:
         bs = self.block_size

@@ -37,3 +37,19 @@ def test_staging_copies_live_rows_and_pads_up_to_the_bucket():
     assert graphs.buffers["slot_mapping"][:4].tolist() == [5, 9, 3, -1]
     assert graphs.buffers["block_tables"][:4].tolist() == [[1, 2, 0, 0], [3, 4, 0, 0],
                                                             [5, 6, 0, 0], [0, 0, 0, 0]]
+
+
+def test_pad_eagerly_runs_the_step_on_the_padded_bucket_and_returns_the_live_rows():
+    seen = []
+
+    def step(inputs):
+        seen.append({name: t.clone() for name, t in inputs.items()})
+        return inputs["slot_mapping"] * 2
+
+    graphs = DecodeGraphs(step, _buffers(), pad={"slot_mapping": -1}, pad_eagerly=True)
+    graphs.capture()
+    out = graphs.run({"slot_mapping": torch.tensor([5, 9, 3]),
+                      "block_tables": torch.ones(3, 2, dtype=torch.int32)})
+    assert out.tolist() == [10, 18, 6]
+    assert seen[0]["slot_mapping"].tolist() == [5, 9, 3, -1]
+    assert seen[0]["block_tables"][3].tolist() == [0, 0, 0, 0]
