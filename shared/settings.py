@@ -69,6 +69,10 @@ class WorkerSettings(CommonSettings):
     kv_cache_memory: int = Field(512 << 20, description="KV cache bytes on CPU")
     gpu_memory_utilization: float = Field(0.9, description="Share of GPU memory to use on CUDA")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
+    attention_backend: str = Field("auto", description="auto (triton on CUDA, torch on CPU), torch "
+                                   "or triton")
+    enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "
+                                "are captured at start-up)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")

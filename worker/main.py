@@ -20,7 +20,8 @@ def build_engine(s: WorkerSettings):
             s.model, device=_device(s.device), dtype=s.dtype, block_size=s.block_size,
             kv_cache_memory=s.kv_cache_memory, gpu_memory_utilization=s.gpu_memory_utilization,
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching)
+            max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
+            attention_backend=s.attention_backend, enforce_eager=s.enforce_eager)
     if s.engine == "synthetic":  # no model: fixed tokens, for gateway-path load tests only
         from worker.engine.synthetic import SyntheticEngine
 
