@@ -63,7 +63,8 @@ class WorkerSettings(CommonSettings):
     device: str = Field("auto", description="cpu, cuda or auto")
     dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (from config)")
     max_num_seqs: int = Field(64, description="Cap on concurrently running sequences")
-    max_num_batched_tokens: int = Field(2048, description="Token budget per engine step")
+    max_num_batched_tokens: int | None = Field(None, description="Token budget per engine step "
+                                               "(default: 2048 on CUDA, 256 on CPU)")
     max_model_len: int | None = Field(None, description="Context cap (default: model's)")
     block_size: int = Field(16, description="Tokens per KV block")
     kv_cache_memory: int = Field(512 << 20, description="KV cache bytes on CPU")
