@@ -75,14 +75,16 @@ class Dispatcher:
             await pubsub.aclose()
 
     def _deliver(self, raw: bytes) -> None:
+        """One message carries a worker step's replies to this gateway; each goes to its request."""
         try:
-            reply = protocol.decode_reply(raw)
-        except ValueError as exc:
-            log.warning("dropping undecodable reply: %s", exc)
+            replies = protocol.decode_replies(raw)
+        except ValueError as exc:  # what it carried is filled in from the checkpoint logs
+            log.warning("dropping undecodable replies: %s", exc)
             return
-        queue = self.queues.get(reply.request_id)
-        if queue is not None:
-            queue.put_nowait(reply)
+        for reply in replies:
+            queue = self.queues.get(reply.request_id)
+            if queue is not None:
+                queue.put_nowait(reply)
 
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True) -> "Handle":

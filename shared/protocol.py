@@ -114,6 +114,10 @@ def _load(raw: bytes | str) -> dict:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(f"not JSON: {exc}") from exc
+    return _checked(data)
+
+
+def _checked(data) -> dict:
     if not isinstance(data, dict) or data.get("v") != SCHEMA_VERSION:
         raise ProtocolError(f"unsupported schema version {data.get('v') if isinstance(data, dict) else None!r}")
     return data
@@ -125,6 +129,21 @@ def decode_entry(raw: bytes | str) -> RequestEntry:
 
 def decode_reply(raw: bytes | str) -> Delta | Done | ErrorReply:
     return _reply_adapter.validate_python(_load(raw))
+
+
+def encode_replies(encoded: list[bytes]) -> bytes:
+    """Several encoded replies as one pub/sub message (a JSON array): a worker sends each gateway
+    one message per engine step, however many of its requests got a token."""
+    return b"[" + b",".join(encoded) + b"]"
+
+
+def decode_replies(raw: bytes | str) -> list[Delta | Done | ErrorReply]:
+    """A message of `encode_replies` (or a single encoded reply)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProtocolError(f"not JSON: {exc}") from exc
+    return [_reply_adapter.validate_python(_checked(item)) for item in (data if isinstance(data, list) else [data])]
 
 
 def decode_cancel(raw: bytes | str) -> Cancel:

@@ -24,6 +24,17 @@ def test_replies_round_trip_by_type(reply):
     assert protocol.decode_reply(protocol.encode(reply)) == reply
 
 
+def test_a_steps_replies_travel_as_one_message_in_order():
+    replies = [protocol.Delta(request_id="a", seq=1, text="x", token_ids=[1]),
+               protocol.Delta(request_id="b", seq=7, text="y", token_ids=[2]),
+               protocol.Done(request_id="a", seq=2, prompt_tokens=1, completion_tokens=1)]
+    message = protocol.encode_replies([protocol.encode(r) for r in replies])
+    assert protocol.decode_replies(message) == replies
+    assert protocol.decode_replies(protocol.encode(replies[1])) == [replies[1]]
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_replies(message.replace(b'"v":1', b'"v":99', 1))
+
+
 def test_unknown_schema_version_is_refused():
     raw = protocol.encode(protocol.Cancel(request_id="r")).replace(b'"v":1', b'"v":99')
     with pytest.raises(protocol.ProtocolError):
