@@ -70,6 +70,9 @@ class WorkerSettings(CommonSettings):
     kv_cache_memory: int = Field(512 << 20, description="KV cache bytes on CPU")
     gpu_memory_utilization: float = Field(0.9, description="Share of GPU memory to use on CUDA")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
+    torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads on CPU "
+                                      "(default: torch's, one per core; `kvgate up` gives the "
+                                      "worker half the cores, shared with gateway, Redis, Celery)")
     attention_backend: str = Field("auto", description="auto (triton on CUDA, torch on CPU), torch "
                                    "or triton")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "

@@ -42,6 +42,10 @@ def run_worker(s: WorkerSettings) -> None:
 
     logs.setup(s.log_level, "worker")
     telemetry.setup_tracing("kvgate-worker", s.otlp_endpoint)
+    if s.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(s.torch_threads)
     engine = build_engine(s)
     service = WorkerService(s, engine, engine.tokenizer)
     service.metrics.serve(s.metrics_host, s.metrics_port)
