@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from gateway.admin_schemas import ErrorBody
 from gateway.files_api import account
 from gateway.keys import KeyRecord
+from gateway.list_page import ListPage
 from shared.batches import BatchObject, BatchStore, Endpoint
 from shared.errors import Conflict, InvalidRequest
 
@@ -40,12 +41,8 @@ class BatchCreate(BaseModel):
         return v
 
 
-class BatchList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[BatchObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
+class BatchList(ListPage[BatchObject]):
+    pass
 
 
 def _store(request: Request) -> BatchStore:
@@ -71,9 +68,7 @@ async def list_batches(request: Request, key: KeyRecord = Depends(account),
                        limit: int = Query(20, ge=1, le=100)) -> BatchList:
     """This key's batches, newest first."""
     batches, more = await _store(request).list(key.id, after, limit)
-    data = [b.public() for b in batches]
-    return BatchList(data=data, first_id=data[0].id if data else None,
-                     last_id=data[-1].id if data else None, has_more=more)
+    return BatchList.of([b.public() for b in batches], more)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)

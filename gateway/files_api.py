@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from gateway.admin_schemas import ErrorBody
 from gateway.auth import authenticate
 from gateway.keys import KeyRecord
+from gateway.list_page import ListPage
 from shared import names
 from shared.errors import InvalidRequest, PayloadTooLarge, PermissionDenied
 from shared.files import FileObject, FileStore
@@ -35,12 +36,8 @@ async def account(request: Request, key: KeyRecord = Depends(authenticate)) -> K
     return key
 
 
-class FileList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[FileObject]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool = False
+class FileList(ListPage[FileObject]):
+    pass
 
 
 class FileDeleted(BaseModel):
@@ -92,9 +89,7 @@ async def list_files(request: Request, key: KeyRecord = Depends(account),
                      after: str | None = Query(None, description="A file id: the page after it"),
                      order: Literal["asc", "desc"] = "desc") -> FileList:
     records, more = await _store(request).list(key.id, purpose, order, after, limit)
-    data = [r.public() for r in records]
-    return FileList(data=data, first_id=data[0].id if data else None,
-                    last_id=data[-1].id if data else None, has_more=more)
+    return FileList.of([r.public() for r in records], more)
 
 
 @router.get("/{file_id}", response_model=FileObject)

@@ -2,75 +2,22 @@
 remote deployment as well as the one `kvgate up` started (whose URL and admin key are in .kvgate/)."""
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import click
-import httpx
 from rich.console import Console
 from rich.table import Table
 
-STATE_DIR = Path(".kvgate")
+from kvgate.cli_client import GatewayClient, KeySource, with_gateway
+
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped output: no squeezed tables
 CLEARABLE = ("owner", "models", "rpm", "tpm", "max-concurrent", "daily-tokens", "expires",
              "canary-cohort")
-
-
-class AdminClient:
-    """Calls /admin and turns every failure into one clear line (a ClickException)."""
-
-    def __init__(self, url: str, admin_key: str):
-        self.url = url.rstrip("/")
-        self.http = httpx.Client(base_url=self.url, timeout=30,
-                                 headers={"Authorization": f"Bearer {admin_key}"})
-
-    def call(self, method: str, path: str, **kwargs) -> dict:
-        try:
-            resp = self.http.request(method, path, **kwargs)
-        except (httpx.HTTPError, httpx.InvalidURL) as exc:
-            raise click.ClickException(f"cannot reach the gateway at {self.url}: "
-                                       f"{exc or type(exc).__name__}") from None
-        if resp.status_code < 400:
-            return resp.json()
-        raise click.ClickException(self._explain(resp))
-
-    def _explain(self, resp: httpx.Response) -> str:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            return f"{self.url} answered {resp.status_code}: is it a kvgate gateway?"
-        if resp.status_code == 401:
-            return f"the gateway at {self.url} refused the admin key ({message})"
-        if resp.status_code == 403:
-            return f"the key given is not an admin key ({message})"
-        return message
-
-
-def _from_state(name: str) -> str | None:
-    path = STATE_DIR / name
-    return path.read_text().strip() if path.exists() else None
-
-
-def with_client(func):
-    """Adds --url/--admin-key (or KVGATE_URL/KVGATE_ADMIN_KEY, or .kvgate/) and --json."""
-    @click.option("--url", envvar="KVGATE_URL", help="Gateway URL [env KVGATE_URL; .kvgate/gateway.url]")
-    @click.option("--admin-key", envvar="KVGATE_ADMIN_KEY", help="[env KVGATE_ADMIN_KEY; .kvgate/admin.key]")
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts)")
-    @functools.wraps(func)
-    def wrapper(url, admin_key, as_json, **kwargs):
-        url = url or _from_state("gateway.url")
-        admin_key = admin_key or _from_state("admin.key")
-        if not url:
-            raise click.ClickException("no gateway URL: pass --url, set KVGATE_URL, or run where "
-                                       "`kvgate up` wrote .kvgate/")
-        if not admin_key:
-            raise click.ClickException("no admin key: pass --admin-key, set KVGATE_ADMIN_KEY, or run "
-                                       "where `kvgate up` wrote .kvgate/admin.key")
-        return func(AdminClient(url, admin_key), as_json, **kwargs)
-    return wrapper
+ADMIN_KEY = KeySource("admin key", "--admin-key", "KVGATE_ADMIN_KEY", "admin.key",
+                      forbidden="the key given is not an admin key")
+with_client = with_gateway(ADMIN_KEY)
 
 
 def limit_options(func):
@@ -124,7 +71,7 @@ def keys() -> None:
 @click.option("--name", required=True, help="Unique name")
 @limit_options
 @with_client
-def create(client: AdminClient, as_json: bool, name: str, **opts) -> None:
+def create(client: GatewayClient, as_json: bool, name: str, **opts) -> None:
     """Create a key; its secret is printed once, on a line of its own."""
     out = client.call("POST", "/admin/keys", json={"name": name, **_body(opts)})
     if as_json:
@@ -136,7 +83,7 @@ def create(client: AdminClient, as_json: bool, name: str, **opts) -> None:
 
 @keys.command("list")
 @with_client
-def list_(client: AdminClient, as_json: bool) -> None:
+def list_(client: GatewayClient, as_json: bool) -> None:
     """All keys, as a table."""
     data = client.call("GET", "/admin/keys")["data"]
     if as_json:
@@ -153,7 +100,7 @@ def list_(client: AdminClient, as_json: bool) -> None:
 @keys.command("show")
 @click.argument("key")
 @with_client
-def show(client: AdminClient, as_json: bool, key: str) -> None:
+def show(client: GatewayClient, as_json: bool, key: str) -> None:
     """One key (by name or id)."""
     _print_record(client.call("GET", f"/admin/keys/{key}"), as_json)
 
@@ -165,7 +112,7 @@ def show(client: AdminClient, as_json: bool, key: str) -> None:
               help="Remove a limit or field (repeatable)")
 @limit_options
 @with_client
-def update(client: AdminClient, as_json: bool, key: str, new_name: str | None, clear: tuple, **opts) -> None:
+def update(client: GatewayClient, as_json: bool, key: str, new_name: str | None, clear: tuple, **opts) -> None:
     """Change a key's limits or details; only the options given change."""
     body = _body(opts)
     if new_name:
@@ -181,7 +128,7 @@ def update(client: AdminClient, as_json: bool, key: str, new_name: str | None, c
 @keys.command("revoke")
 @click.argument("key")
 @with_client
-def revoke(client: AdminClient, as_json: bool, key: str) -> None:
+def revoke(client: GatewayClient, as_json: bool, key: str) -> None:
     """Revoke a key: every gateway refuses it from the next request on."""
     out = client.call("POST", f"/admin/keys/{key}/revoke")
     if as_json:
@@ -193,7 +140,7 @@ def revoke(client: AdminClient, as_json: bool, key: str) -> None:
 @click.argument("key")
 @click.option("--grace", default="1h", show_default=True, help="How long the old secret still works")
 @with_client
-def rotate(client: AdminClient, as_json: bool, key: str, grace: str) -> None:
+def rotate(client: GatewayClient, as_json: bool, key: str, grace: str) -> None:
     """Give a key a new secret (printed once); the old one works for the grace period."""
     from gateway.durations import parse_duration
 
@@ -214,7 +161,7 @@ def rotate(client: AdminClient, as_json: bool, key: str, grace: str) -> None:
 @click.option("--since", default="7d", show_default=True, help="How far back: 12h, 7d, 4w ...")
 @click.option("--by", type=click.Choice(["model", "day", "key"]), default="model", show_default=True)
 @with_client
-def usage(client: AdminClient, as_json: bool, key: str | None, since: str, by: str) -> None:
+def usage(client: GatewayClient, as_json: bool, key: str | None, since: str, by: str) -> None:
     """Requests, tokens and errors per model+version, UTC day or key."""
     params = {"since": since, "by": by, **({"key": key} if key else {})}
     report = client.call("GET", "/admin/usage", params=params)

@@ -3,50 +3,21 @@ key that made it, so these take that key: --api-key, else KVGATE_API_KEY, else t
 `kvgate up` wrote to .kvgate/dev.key."""
 from __future__ import annotations
 
-import functools
 import time
 
 import click
-import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from kvgate.admin_cli import AdminClient, _from_state, _print_json, _when, console
+from kvgate.admin_cli import _print_json, _when, console
+from kvgate.cli_client import GatewayClient, KeySource, with_gateway
 
 FINAL = ("completed", "failed", "expired", "cancelled")
 
 
-class ApiClient(AdminClient):
-    """The admin client's calls and one-line errors, with a user's API key."""
-
-    def _explain(self, resp: httpx.Response) -> str:
-        try:
-            message = resp.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            return f"{self.url} answered {resp.status_code}: is it a kvgate gateway?"
-        if resp.status_code == 401:
-            return f"the gateway at {self.url} refused the API key ({message})"
-        return message
-
-
-def with_api(func):
-    """Adds --url/--api-key (or KVGATE_URL/KVGATE_API_KEY, or .kvgate/) and --json."""
-    @click.option("--url", envvar="KVGATE_URL", help="Gateway URL [env KVGATE_URL; .kvgate/gateway.url]")
-    @click.option("--api-key", envvar="KVGATE_API_KEY",
-                  help="The key that owns the batches [env KVGATE_API_KEY; .kvgate/dev.key]")
-    @click.option("--json", "as_json", is_flag=True, help="Print JSON (for scripts)")
-    @functools.wraps(func)
-    def wrapper(url, api_key, as_json, **kwargs):
-        url = url or _from_state("gateway.url")
-        api_key = api_key or _from_state("dev.key")
-        if not url:
-            raise click.ClickException("no gateway URL: pass --url, set KVGATE_URL, or run where "
-                                       "`kvgate up` wrote .kvgate/")
-        if not api_key:
-            raise click.ClickException("no API key: pass --api-key, set KVGATE_API_KEY, or run "
-                                       "where `kvgate up` wrote .kvgate/dev.key")
-        return func(ApiClient(url, api_key), as_json, **kwargs)
-    return wrapper
+API_KEY = KeySource("API key", "--api-key", "KVGATE_API_KEY", "dev.key",
+                    purpose="The key that owns the batches")
+with_api = with_gateway(API_KEY)
 
 
 @click.group()
@@ -57,7 +28,7 @@ def batches() -> None:
 @batches.command("list")
 @click.option("--limit", type=click.IntRange(1, 100), default=20, show_default=True)
 @with_api
-def list_(client: ApiClient, as_json: bool, limit: int) -> None:
+def list_(client: GatewayClient, as_json: bool, limit: int) -> None:
     """The key's batches, newest first."""
     data = client.call("GET", "/v1/batches", params={"limit": limit})["data"]
     if as_json:
@@ -76,7 +47,7 @@ def list_(client: ApiClient, as_json: bool, limit: int) -> None:
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True,
               help="Seconds between polls with --follow")
 @with_api
-def show(client: ApiClient, as_json: bool, batch_id: str, follow: bool, interval: float) -> None:
+def show(client: GatewayClient, as_json: bool, batch_id: str, follow: bool, interval: float) -> None:
     """One batch: status, progress, result files."""
     batch = client.call("GET", f"/v1/batches/{batch_id}")
     if follow and not as_json:
@@ -88,7 +59,7 @@ def show(client: ApiClient, as_json: bool, batch_id: str, follow: bool, interval
     _print_batch(batch, as_json)
 
 
-def _follow(client: ApiClient, batch: dict, interval: float) -> dict:
+def _follow(client: GatewayClient, batch: dict, interval: float) -> dict:
     """Polls until the batch ends, with a bar of lines done (completed + failed) of the total."""
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn())
@@ -108,7 +79,7 @@ def _follow(client: ApiClient, batch: dict, interval: float) -> dict:
 @batches.command("cancel")
 @click.argument("batch_id")
 @with_api
-def cancel(client: ApiClient, as_json: bool, batch_id: str) -> None:
+def cancel(client: GatewayClient, as_json: bool, batch_id: str) -> None:
     """Stop a batch: no more lines are sent, those in flight are aborted; what completed is kept."""
     _print_batch(client.call("POST", f"/v1/batches/{batch_id}/cancel"), as_json)
 

@@ -6,7 +6,8 @@ from datetime import datetime, timezone
 import click
 from rich.table import Table
 
-from kvgate.admin_cli import AdminClient, _print_json, console, with_client
+from kvgate.admin_cli import _print_json, console, with_client
+from kvgate.cli_client import GatewayClient
 
 
 def _duration(value: str | None, hint: str) -> int | None:
@@ -58,7 +59,7 @@ def canary() -> None:
 @click.option("--min-samples", type=click.IntRange(min=1), help="Requests before judging (default 50)")
 @click.option("--window", help="Analysis window: 60s, 2m ... (default 2m)")
 @with_client
-def set_(client: AdminClient, as_json: bool, alias: str, version_: str, stable, weight, steps,
+def set_(client: GatewayClient, as_json: bool, alias: str, version_: str, stable, weight, steps,
          interval, cohorts, window, **thresholds) -> None:
     """Put VERSION on trial under ALIAS."""
     body = {"version": version_, "steps": _steps(steps), "cohorts": _cohorts(cohorts),
@@ -79,7 +80,7 @@ def set_(client: AdminClient, as_json: bool, alias: str, version_: str, stable, 
 @canary.command("status")
 @click.argument("alias")
 @with_client
-def status(client: AdminClient, as_json: bool, alias: str) -> None:
+def status(client: GatewayClient, as_json: bool, alias: str) -> None:
     """The route, the configured and observed split, success rate and latency per version, the
     last events."""
     out = client.call("GET", f"/admin/canary/{alias}")
@@ -109,7 +110,7 @@ def status(client: AdminClient, as_json: bool, alias: str) -> None:
 
 @canary.command("list")
 @with_client
-def list_(client: AdminClient, as_json: bool) -> None:
+def list_(client: GatewayClient, as_json: bool) -> None:
     """Every alias with a route."""
     data = client.call("GET", "/admin/canary")["data"]
     if as_json:
@@ -125,7 +126,7 @@ def _transition(name: str, doc: str):
     @canary.command(name, help=doc)
     @click.argument("alias")
     @with_client
-    def command(client: AdminClient, as_json: bool, alias: str, **body) -> None:
+    def command(client: GatewayClient, as_json: bool, alias: str, **body) -> None:
         route = client.call("POST", f"/admin/canary/{alias}/{name}", json=body or None)
         if as_json:
             return _print_json(route)
