@@ -26,11 +26,11 @@ from gateway.openai_api import router as openai_router
 from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.registry import Registry
 from gateway.routing import Router
-from gateway.usage import UsageBook
 from shared import logs, telemetry
 from shared.batches import BatchStore
 from shared.files import FileStore
 from shared.settings import GatewaySettings
+from shared.usage import UsageBook
 
 
 def create_app(settings: GatewaySettings | None = None) -> FastAPI:

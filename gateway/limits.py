@@ -24,6 +24,7 @@ from gateway.metrics import rate_limited
 from shared import names
 from shared.errors import RateLimited
 from shared.settings import GatewaySettings
+from shared.usage import utc_day
 
 WINDOW_S = 60
 DAY_TTL_S = 2 * 86400
@@ -89,10 +90,6 @@ class Reservation:
     bucket: int
     day: str
     estimate: int
-
-
-def utc_day(t: float | None = None) -> str:
-    return time.strftime("%Y%m%d", time.gmtime(time.time() if t is None else t))
 
 
 def seconds_to_midnight(now: float) -> float:

@@ -32,6 +32,7 @@ def create_app(settings: ServicesSettings | None = None) -> Celery:
                       "options": {"expires": settings.maintenance_s}}
                for name, task in (("reap-workers", "kvgate.maintenance.reap_workers"),
                                   ("expire-files", "kvgate.maintenance.expire_files"),
+                                  ("fold-usage", "kvgate.maintenance.fold_usage"),
                                   ("tend-batches", "kvgate.batches.tend"))},
         },
     )

@@ -8,8 +8,8 @@
 - `tend_batches`: start a runner for every active batch that none holds: new ones whose task
   message was lost, ones waiting for a free slot, and ones whose runner died (they resume).
 
-Usage needs no roll-up: the gateway already keeps it per key and UTC day (hashes with a retention
-TTL), which is the grain `kvgate usage` reads, so there is nothing to fold.
+- folding usage: `UsageBook.fold` (shared/usage.py) rolls each day that is over into one hash, so
+  a usage report over many days and keys reads one hash per day.
 """
 from __future__ import annotations
 

@@ -8,6 +8,7 @@ import redis.asyncio as aioredis
 from services.celery_app import app
 from services.maintenance import reap_workers as _reap_workers
 from shared.files import FileStore
+from shared.usage import UsageBook
 
 
 def _with_redis(fn):
@@ -32,3 +33,9 @@ def expire_files() -> int:
     """Files past their expiry: deleted, bytes and record."""
     s = app.kvgate_settings
     return _with_redis(lambda r: FileStore(r, s.data_dir, s.file_retention_days * 86400).expire())
+
+
+@app.task(name="kvgate.maintenance.fold_usage")
+def fold_usage() -> list[str]:
+    """Usage of the days that are over, rolled up into one hash per day; the days folded."""
+    return _with_redis(lambda r: UsageBook(r).fold())

@@ -81,6 +81,14 @@ def usage_key(key_id: str, day: str) -> str:
     return f"{PREFIX}:usage:{key_id}:{day}"
 
 
+USAGE_DAYS_TO_FOLD = f"{PREFIX}:usagefold"  # sorted set UTC day -> when it ends: days awaiting roll-up
+
+
+def usage_rollup(day: str) -> str:
+    """Hash `key_id|model|version|counter` -> count: one UTC day of every key, folded (retention TTL)."""
+    return f"{PREFIX}:usagesum:{day}"
+
+
 def usage_day_index(day: str) -> str:
     """Set of the key ids with usage on one UTC day (same TTL as the usage hashes)."""
     return f"{PREFIX}:usagekeys:{day}"

@@ -95,7 +95,7 @@ class WorkerSettings(CommonSettings):
 class ServicesSettings(FilesSettings):
     canary_check_s: float = Field(10.0, gt=0, description="How often Celery beat runs the canary check")
     maintenance_s: float = Field(30.0, gt=0, description="How often Celery beat reaps dead workers, "
-                                 "expires files and restarts stalled batches")
+                                 "expires files, restarts stalled batches and rolls up usage")
     gateway_url: str = Field("http://127.0.0.1:8000", description="Where batch lines are sent (the "
                              "gateway's own API, so they are governed like any request)")
     secret: SecretStr | None = Field(None, description="The gateway's server secret: batch lines "

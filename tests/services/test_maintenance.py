@@ -49,3 +49,41 @@ async def test_expired_files_are_deleted(client, tmp_path):
     await files.expire()
     assert await files.find(kept.id) is not None
     assert [r.id for r in (await files.list("key_x"))[0]] == [kept.id]
+
+
+async def test_finished_days_fold_into_one_hash_and_reports_read_it(client):
+    from shared.usage import ROLLUP_GRACE_S, UsageBook, utc_day
+
+    book = UsageBook(client, retention_days=3)
+    now = time.time()
+    yesterday, today = now - 86400, now
+    for key_id, model, usage in (("key_a", "m|x", {"prompt_tokens": 3, "completion_tokens": 5}),
+                                 ("key_a", "demo", None),
+                                 ("key_b", "demo", {"prompt_tokens": 7, "completion_tokens": 1})):
+        await book.record(key_id, model, "v1", usage, now=yesterday)
+    await book.record("key_b", "demo", "v1", {"prompt_tokens": 2, "completion_tokens": 2}, now=today)
+    since = yesterday - 1
+    scanned = {by: await book.query(since, None, by) for by in ("model", "day", "key")}
+
+    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S - 1) == []  # yesterday: grace
+    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
+    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S + 1) == []  # folded once
+    rollup = names.usage_rollup(utc_day(yesterday))
+    assert 0 < await client.ttl(rollup) <= 3 * 86400
+    assert await client.exists(names.usage_rollup(utc_day(today))) == 0  # today is not over
+
+    # the reports now read the roll-up: the per-key hashes of yesterday no longer matter to them
+    for key_id in ("key_a", "key_b"):
+        await client.rename(names.usage_key(key_id, utc_day(yesterday)), f"moved:{key_id}")
+    for by, rows in scanned.items():
+        assert await book.query(since, None, by) == rows, by
+    model_rows = {(r["model"], r["version"]): r for r in scanned["model"]}
+    assert model_rows[("m|x", "v1")]["total_tokens"] == 8 and model_rows[("demo", "v1")]["errors"] == 1
+    for key_id in ("key_a", "key_b"):
+        await client.rename(f"moved:{key_id}", names.usage_key(key_id, utc_day(yesterday)))
+
+    # a record that lands on a folded day (a gateway whose clock is far behind) is folded again
+    await book.record("key_a", "demo", "v1", {"prompt_tokens": 100, "completion_tokens": 0}, now=yesterday)
+    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
+    by_key = {r["key_id"]: r for r in await book.query(since, None, "key")}
+    assert by_key["key_a"]["prompt_tokens"] == 103 and by_key["key_b"]["prompt_tokens"] == 9

@@ -1,0 +1,136 @@
+"""Usage per key, UTC day, model and version: requests, prompt and completion tokens, errors.
+
+Tokens are exactly the `usage` the client received (the worker's Done message). A request that
+ended without one (an error, a timeout, a client that left) counts as a request and an error.
+
+The gateway records into one hash per key and day. Once a day is over (and ROLLUP_GRACE_S more, for
+gateways whose clocks lag), Celery beat folds that day's hashes into one roll-up hash, so a report
+over many days and keys reads a hash per day rather than one per key per day. A record that arrives
+for a folded day (a clock far behind) puts the day back in line and the next beat folds it again.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Literal
+
+import redis.asyncio as aioredis
+
+from shared import names
+
+COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "errors")
+GroupBy = Literal["model", "day", "key"]
+ROLLUP_GRACE_S = 600
+_DAY_S = 86400
+
+
+def utc_day(t: float | None = None) -> str:
+    return time.strftime("%Y%m%d", time.gmtime(time.time() if t is None else t))
+
+
+class UsageBook:
+    def __init__(self, redis: aioredis.Redis, retention_days: int = 400):
+        self.redis = redis
+        self.ttl_s = retention_days * _DAY_S
+
+    async def record(self, key_id: str, model: str, version: str, usage: dict | None,
+                     now: float | None = None) -> None:
+        now = time.time() if now is None else now
+        day, field = utc_day(now), f"{model}|{version}|"
+        hash_key = names.usage_key(key_id, day)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hincrby(hash_key, field + "requests", 1)
+        if usage is None:
+            pipe.hincrby(hash_key, field + "errors", 1)
+        else:
+            pipe.hincrby(hash_key, field + "prompt_tokens", usage["prompt_tokens"])
+            pipe.hincrby(hash_key, field + "completion_tokens", usage["completion_tokens"])
+        pipe.expire(hash_key, self.ttl_s)
+        pipe.sadd(names.usage_day_index(day), key_id)
+        pipe.expire(names.usage_day_index(day), self.ttl_s)
+        # in line for its roll-up once over; a folded day that gets a late record is queued again
+        pipe.zadd(names.USAGE_DAYS_TO_FOLD, {day: now - now % _DAY_S + _DAY_S}, nx=True)
+        pipe.expire(names.USAGE_DAYS_TO_FOLD, self.ttl_s)
+        await pipe.execute()
+
+    async def query(self, since: float, key_id: str | None, by: GroupBy) -> list[dict]:
+        """Rows of counters since `since` (whole UTC days), grouped by model+version, day or key."""
+        rows: dict[tuple, dict] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+        for day in _days(since):
+            counts = None if key_id else await self._folded(day)
+            if counts is None:
+                counts = await self._per_key(day, key_id)
+            for (kid, model, version, counter), value in counts.items():
+                group = {"model": (model, version), "day": (day,), "key": (kid,)}[by]
+                rows[group][counter] += value
+        return [{**_group_fields(by, group), **counts,
+                 "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
+                for group, counts in sorted(rows.items())]
+
+    async def _per_key(self, day: str, key_id: str | None) -> dict[tuple, int]:
+        """(key id, model, version, counter) -> value, from the keys' own hashes of the day."""
+        key_ids = [key_id] if key_id else sorted(
+            k.decode() for k in await self.redis.smembers(names.usage_day_index(day)))
+        counts: dict[tuple, int] = {}
+        for kid in key_ids:
+            for field, value in (await self.redis.hgetall(names.usage_key(kid, day))).items():
+                model, version, counter = field.decode().rsplit("|", 2)
+                counts[(kid, model, version, counter)] = int(value)
+        return counts
+
+    async def _folded(self, day: str) -> dict[tuple, int] | None:
+        """The same counts from the day's roll-up; None when the day has not been folded."""
+        folded = await self.redis.hgetall(names.usage_rollup(day))
+        if not folded:
+            return None
+        counts = {}
+        for field, value in folded.items():
+            kid, rest = field.decode().split("|", 1)  # key ids have no "|"; model names might
+            counts[(kid, *rest.rsplit("|", 2))] = int(value)
+        return counts
+
+    async def fold(self, now: float | None = None) -> list[str]:
+        """Roll up every day that has been over for ROLLUP_GRACE_S; the days folded."""
+        now = time.time() if now is None else now
+        days = [d.decode() for d in await self.redis.zrangebyscore(
+            names.USAGE_DAYS_TO_FOLD, "-inf", now - ROLLUP_GRACE_S)]
+        for day in days:
+            # out of line first: a record landing while this runs queues the day again
+            await self.redis.zrem(names.USAGE_DAYS_TO_FOLD, day)
+            try:
+                counts = await self._per_key(day, None)
+                ttl = await self.redis.ttl(names.usage_day_index(day))
+                pipe = self.redis.pipeline(transaction=True)
+                pipe.delete(names.usage_rollup(day))
+                if counts:
+                    pipe.hset(names.usage_rollup(day), mapping={"|".join(k): v for k, v in counts.items()})
+                    # kept as long as the hashes it sums
+                    pipe.expire(names.usage_rollup(day), ttl if ttl > 0 else self.ttl_s)
+                await pipe.execute()
+            except Exception:
+                await self.redis.zadd(names.USAGE_DAYS_TO_FOLD, {day: 0}, nx=True)
+                raise
+        return days
+
+
+def _days(since: float) -> list[str]:
+    """The UTC days from the one holding `since` through today."""
+    days, t, today = [], since, utc_day()
+    while (day := utc_day(t)) <= today:
+        days.append(day)
+        t += _DAY_S
+    if today not in days:
+        days.append(today)
+    return days
+
+
+def _group_fields(by: GroupBy, group: tuple) -> dict:
+    if by == "model":
+        return {"model": group[0], "version": group[1]}
+    if by == "day":
+        return {"day": group[0]}
+    return {"key_id": group[0]}
+
+
+def since_time(seconds: int) -> float:
+    return time.time() - seconds
