@@ -269,3 +269,32 @@ def test_a_line_token_only_sends_lines_of_its_running_batch(stack):
     finally:
         r.hset(names.batch_record(batch.id), "status", "completed")
         r.close()
+
+
+def test_beat_rolls_up_a_finished_days_usage_and_the_report_reads_it(stack):
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from shared.usage import UsageBook, utc_day
+
+    yesterday = time.time() - 86400
+
+    async def seed():  # a day that is over, as a gateway would have recorded it
+        client = aioredis.Redis.from_url(stack.redis_url)
+        await UsageBook(client).record("key_rollup", "demo", "v1",
+                                       {"prompt_tokens": 11, "completion_tokens": 4}, now=yesterday)
+        await client.aclose()
+
+    asyncio.run(seed())
+    r = redis.Redis.from_url(stack.redis_url)
+    deadline = time.monotonic() + 30
+    while not r.exists(names.usage_rollup(utc_day(yesterday))):  # beat runs every 2 s here
+        assert time.monotonic() < deadline, "Celery beat did not fold yesterday's usage"
+        time.sleep(0.2)
+    r.rename(names.usage_key("key_rollup", utc_day(yesterday)), "moved")  # the report must not need it
+    report = _admin(stack, "GET", "/admin/usage", params={"since": "2d", "by": "key"}).json()
+    r.rename("moved", names.usage_key("key_rollup", utc_day(yesterday)))
+    r.close()
+    row = next(x for x in report["rows"] if x["key_id"] == "key_rollup")
+    assert (row["prompt_tokens"], row["completion_tokens"], row["requests"]) == (11, 4, 1)
