@@ -3,12 +3,15 @@
 Every reply is PUBLISHed and then appended to the request's checkpoint log (publish first: if the
 worker dies in between, the resuming worker re-sends that sequence number and the gateway drops
 the duplicate). A step's replies to one gateway go in one message, and a log's TTL is refreshed
-every TTL_REFRESH replies rather than on each, so a step of 64 streams costs ~65 commands, not 192. While Redis is unreachable the commands are kept and retried, and the worker does
+every TTL_REFRESH replies rather than on each, so a step of 64 streams costs ~65 commands, not 192.
+The worker's next reads ride in the same pipeline: one round trip per engine step, which is most of
+a step's cost when the engine is fast (Redis shares the machine's cores). While Redis is unreachable the commands are kept and retried, and the worker does
 not step further, so a short outage loses no token.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import redis
 
@@ -22,9 +25,10 @@ TTL_REFRESH = 32  # replies between refreshes of a log's TTL (first at reply 1: 
 
 
 class Outbox:
-    def __init__(self, client: redis.Redis, stream: str):
+    def __init__(self, client: redis.Redis, stream: str, consumer: str):
         self.client = client
         self.stream = stream
+        self.consumer = consumer  # this worker's name in the streams' consumer group
         self.outgoing: dict[str, list[bytes]] = {}  # reply channel -> this step's encoded replies
         self.ops: list[tuple] = []  # after the PUBLISHes: logs, TTLs, acks
 
@@ -46,20 +50,26 @@ class Outbox:
         stream = stream or self.stream
         self.ops += [("xack", stream, names.CONSUMER_GROUP, entry_id), ("xdel", stream, entry_id)]
 
-    def flush(self) -> bool:
-        """Send everything queued; False (and everything kept) if Redis is unreachable."""
-        if not self.ops and not self.outgoing:
-            return True
+    def flush(self, reads: Sequence[tuple[str, int]] = ()) -> list | None:
+        """Send everything queued, then read up to `count` new entries of each (stream, count) in
+        `reads` (without blocking) in the same round trip. The reads' replies, in order; None, and
+        everything kept, if Redis is unreachable."""
+        if not self.ops and not self.outgoing and not reads:
+            return []
         pipe = self.client.pipeline(transaction=False)
         for channel, raws in self.outgoing.items():
             pipe.publish(channel, protocol.encode_replies(raws))
         for name, *args in self.ops:
             getattr(pipe, name)(*args)
+        for stream, count in reads:
+            pipe.xreadgroup(names.CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
         try:
-            pipe.execute()
+            results = pipe.execute(raise_on_error=False)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             log.warning("replies held while Redis is unreachable (%s)", type(exc).__name__)
-            return False
-        self.outgoing.clear()
+            return None
+        self.outgoing.clear()  # Redis ran every command: none is sent twice
         self.ops.clear()
-        return True
+        if errors := [r for r in results if isinstance(r, Exception)]:
+            raise errors[0]  # e.g. NOGROUP: Redis lost the streams; the worker makes them again
+        return results[len(results) - len(reads):]

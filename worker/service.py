@@ -44,6 +44,13 @@ class Active:
         return self.seq
 
 
+def _entries(reply) -> list[tuple[str, bytes, bytes, bool]]:
+    """(stream, entry id, raw entry, claimed=False) of an XREADGROUP reply."""
+    return [(name.decode() if isinstance(name, bytes) else name, entry_id,
+             fields.get(protocol.ENTRY_FIELD, b""), False)
+            for name, entries in reply or [] for entry_id, fields in entries]
+
+
 def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) -> SamplingParams:
     """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
     p = entry.params
@@ -68,13 +75,14 @@ class WorkerService:
         self.stream = names.request_stream(settings.served_name, settings.version)
         self.batch_stream = names.request_stream(settings.served_name, settings.version,
                                                  names.BATCH_LANE)
-        self.outbox = Outbox(self.redis, self.stream)
+        self.outbox = Outbox(self.redis, self.stream, settings.worker_id)
         self.active: dict[str, Active] = {}
         self.backlog: list[tuple[str, bytes, bytes, bool]] = []  # read, not yet admitted (Redis blip)
         self.cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
         self.drain_deadline: float | None = None
         self.last_claim = 0.0
+        self.interactive_drained = True  # the last read of the interactive lane left nothing
         self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms)
         self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
                          "requests_rejected": 0, "requests_resumed": 0}
@@ -116,11 +124,12 @@ class WorkerService:
             log.info("draining: %d requests in flight", len(self.active))
 
     def _iteration(self) -> None:
-        if not self.outbox.flush():  # Redis away: keep what we have, step no further
+        if self.outbox.flush() is None:  # Redis away: keep what we have, step no further
             time.sleep(0.5)
             return
         self._apply_cancels()
-        if self.drain_deadline is not None:
+        draining = self.drain_deadline is not None
+        if draining:
             if not self.active or time.monotonic() > self.drain_deadline:
                 self.stopping.set()
                 return
@@ -128,7 +137,14 @@ class WorkerService:
             self._pull()
         if self.engine.has_unfinished():
             self._collect(self.engine.step())
-        self.outbox.flush()
+        reads = [] if draining else self._next_reads()
+        if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
+            for (stream, _), reply in zip(reads, replies):
+                entries = _entries(reply)
+                self.backlog += entries  # admitted by the next _pull, before the next step
+                if stream == self.stream:
+                    self.interactive_drained = len(entries) < dict(reads)[stream]
+            self.backlog.sort(key=lambda e: e[0] != self.stream)  # interactive entries first
 
     def _until_redis(self, fn) -> None:
         while not self.stopping.is_set():
@@ -148,9 +164,8 @@ class WorkerService:
                     raise
 
     def _pull(self) -> None:
-        """Take only what the engine has room for: backlog, then orphans, then new entries. The
-        batch lane gets only the room the interactive lane left: it is read when the interactive
-        stream had nothing more (and the engine's priorities keep its entries behind, too)."""
+        """Admit what was read (the last flush reads new entries for the room the engine had),
+        then orphans; when the engine is idle and nothing waits, block on both lanes a while."""
         room = self.engine.free_capacity()
         todo, self.backlog = self.backlog[:room], self.backlog[room:]
         if len(todo) < room and time.monotonic() - self.last_claim >= self.s.heartbeat_s:
@@ -159,13 +174,12 @@ class WorkerService:
                 orphans = claim_orphans(self.redis, stream, self.s.worker_id,
                                         int(self.s.heartbeat_ttl_s * 1000), room - len(todo))
                 todo += [(stream, entry_id, raw, True) for entry_id, raw in orphans]
-        for stream in (self.stream, self.batch_stream):
-            if len(todo) < room:
-                todo += self._read({stream: ">"}, room - len(todo), block_ms=None)
         if not todo and room and not self.engine.has_unfinished():
             # idle: wait for either lane; one entry from each at most, the surplus waits its turn
-            todo = self._read({self.stream: ">", self.batch_stream: ">"}, 1, block_ms=100)
-            todo, self.backlog = todo[:room], todo[room:] + self.backlog
+            read = _entries(self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
+                                                  {self.stream: ">", self.batch_stream: ">"}, count=1,
+                                                  block=100))
+            todo, self.backlog = read[:room], read[room:] + self.backlog
         for i, (stream, entry_id, raw, claimed) in enumerate(todo):
             try:
                 self._admit(stream, entry_id, raw, claimed)
@@ -173,13 +187,14 @@ class WorkerService:
                 self.backlog = todo[i:] + self.backlog
                 raise
 
-    def _read(self, streams: dict[str, str], count: int,
-              block_ms: int | None) -> list[tuple[str, bytes, bytes, bool]]:
-        reply = self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id, streams, count=count,
-                                      block=block_ms)
-        return [(name.decode() if isinstance(name, bytes) else name, entry_id,
-                 fields.get(protocol.ENTRY_FIELD, b""), False)
-                for name, entries in reply or [] for entry_id, fields in entries]
+    def _next_reads(self) -> list[tuple[str, int]]:
+        """What the next flush reads: as many new entries as the engine has room for. The batch lane
+        gets only the room the interactive lane leaves: it is read when the interactive lane's last
+        read came back short (and the engine's priorities keep its entries behind, too)."""
+        room = self.engine.free_capacity() - len(self.backlog)
+        if room <= 0:
+            return []
+        return [(self.stream, room)] + ([(self.batch_stream, room)] if self.interactive_drained else [])
 
     def _admit(self, stream: str, entry_id: bytes, raw: bytes, claimed: bool) -> None:
         try:
