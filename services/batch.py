@@ -252,17 +252,23 @@ class Runner:
 
     async def _sender(self, http: httpx.AsyncClient, endpoint: str, queue: asyncio.Queue,
                       slot: int) -> None:
+        last_s = 0.0  # how long this sender's last line took
         while not queue.empty():
             line = queue.get_nowait()
-            await self._yield_to_interactive(slot, line.body["model"])
+            await self._yield_to_interactive(slot, line.body["model"], last_s)
+            started = time.monotonic()
             await self._record(line, await self._send(http, endpoint, line))
+            last_s = time.monotonic() - started
 
-    async def _yield_to_interactive(self, slot: int, model: str) -> None:
-        """Senders past `batch_concurrency_busy` wait while the model has interactive traffic (the
-        gateway keeps a short-lived mark per model). Each line costs the gateway, the engine and,
-        on one machine, the CPU that interactive requests need; so the batch takes only what
-        people leave, and runs at full width once they are gone."""
+    async def _yield_to_interactive(self, slot: int, model: str, last_s: float) -> None:
+        """While the model has interactive traffic (the gateway keeps a short-lived mark per
+        model), senders past `batch_concurrency_busy` wait, and the others rest as long as their
+        last line took (half duty). Each line costs the gateway, the engine and, on one machine,
+        the CPU that interactive requests need; so the batch takes only what people leave, and
+        runs at full width once they are gone."""
         started = time.monotonic()
+        if await self._interactive_busy(model):
+            await asyncio.sleep(last_s)
         while slot >= self.s.batch_concurrency_busy and await self._interactive_busy(model):
             await asyncio.sleep(YIELD_POLL_S)
         self.held_s += time.monotonic() - started

@@ -220,12 +220,15 @@ async def test_a_batch_yields_to_interactive_traffic_and_widens_when_it_stops(en
     batch, _ = await _batch(client, settings, [line(f"r{i}") for i in range(40)])
     mark = names.interactive_mark("demo")
     await client.set(mark, "1", px=400)  # as the gateway does on an interactive request
-    in_flight, widths = 0, []
+    in_flight, widths, busy_starts = 0, [], []
 
     async def gateway(request: httpx.Request) -> httpx.Response:
         nonlocal in_flight
         in_flight += 1
-        widths.append((in_flight, await client.exists(mark)))
+        marked = await client.exists(mark)
+        widths.append((in_flight, marked))
+        if marked:
+            busy_starts.append(time.monotonic())
         await asyncio.sleep(0.02)
         in_flight -= 1
         return _completion(request)
@@ -235,4 +238,6 @@ async def test_a_batch_yields_to_interactive_traffic_and_widens_when_it_stops(en
     busy = [w for w, marked in widths if marked]
     free = [w for w, marked in widths if not marked]
     assert busy and max(busy) == 1  # one line at a time while people are served: it still moves
+    gaps = [b - a for a, b in zip(busy_starts, busy_starts[1:])]
+    assert len(gaps) >= 2 and min(gaps) >= 0.035  # and it rests as long as a line took (0.02 s)
     assert free and max(free) == 4  # full width once the mark has expired
