@@ -170,9 +170,10 @@ class WorkerService:
         todo, self.backlog = self.backlog[:room], self.backlog[room:]
         if len(todo) < room and time.monotonic() - self.last_claim >= self.s.heartbeat_s:
             self.last_claim = time.monotonic()
+            known = {a.entry_id for a in self.active.values()} | {e[1] for e in todo + self.backlog}
             for stream in (self.stream, self.batch_stream):
                 orphans = claim_orphans(self.redis, stream, self.s.worker_id,
-                                        int(self.s.heartbeat_ttl_s * 1000), room - len(todo))
+                                        int(self.s.heartbeat_ttl_s * 1000), room - len(todo), known)
                 todo += [(stream, entry_id, raw, True) for entry_id, raw in orphans]
         if not todo and room and not self.engine.has_unfinished():
             # idle: wait for either lane; one entry from each at most, the surplus waits its turn

@@ -348,3 +348,35 @@ def test_cancel_before_pickup_is_honoured_and_deadlines_are_enforced(cluster):
           f"admitted {info['requests_admitted']}, aborted {info['requests_aborted']}")
     assert info["requests_admitted"] == 1, "the cancelled entry must never start"
     assert info["requests_aborted"] == 2 and info["active"] == 0
+
+
+def test_an_entry_whose_read_answer_was_lost_is_served_by_its_live_worker(cluster):
+    """Redis delivered the entry to w1 (it is pending under w1's name) but w1 never got the answer
+    to that read, as when a connection breaks mid-pipeline; w1 must take it back by itself."""
+    from shared import protocol
+
+    cluster.start_worker("w1")
+    stream, channel = names.request_stream("demo", "v1"), "kvgate:reply:lost-read-test"
+    replies = cluster.client.pubsub()
+    replies.subscribe(channel)
+    assert replies.get_message(timeout=5)["type"] == "subscribe"
+    now = time.time()
+    entry = protocol.RequestEntry(
+        request_id="lost-read-1", reply_channel=channel, model="demo", version="v1", kind="completion",
+        prompt_token_ids=[5, 6, 7], created=now, deadline=now + 60,
+        params=protocol.WireParams(max_tokens=3, temperature=0, ignore_eos=True))
+    with cluster.client.pipeline(transaction=True) as tx:  # atomic: w1's own loop cannot read it first
+        tx.xadd(stream, {protocol.ENTRY_FIELD: protocol.encode(entry)})
+        tx.xreadgroup(names.CONSUMER_GROUP, "w1", {stream: ">"}, count=1)
+        assert tx.execute()[1], "the entry was not delivered to w1"
+    start, got = time.monotonic(), []
+    while not any(isinstance(r, protocol.Done) for r in got):
+        assert time.monotonic() - start < 20, f"w1 never served its lost entry (got {got})"
+        message = replies.get_message(timeout=1)
+        if message and message["type"] == "message":
+            got += protocol.decode_replies(message["data"])
+    tokens = [t for r in got if isinstance(r, protocol.Delta) for t in r.token_ids]
+    print(f"\nlost read: served after {time.monotonic() - start:.1f} s (heartbeat TTL 2 s), "
+          f"{len(tokens)} tokens")
+    assert len(tokens) == 3 and cluster.client.xlen(stream) == 0
+    replies.close()
