@@ -262,13 +262,14 @@ class Runner:
 
     async def _yield_to_interactive(self, slot: int, model: str, last_s: float) -> None:
         """While the model has interactive traffic (the gateway keeps a short-lived mark per
-        model), senders past `batch_concurrency_busy` wait, and the others rest as long as their
-        last line took (half duty). Each line costs the gateway, the engine and, on one machine,
-        the CPU that interactive requests need; so the batch takes only what people leave, and
-        runs at full width once they are gone."""
+        model), senders past `batch_concurrency_busy` wait, and the others send only
+        `batch_busy_duty` of the time, resting after each line in proportion to how long it took.
+        Each line costs the gateway, the engine and, on one machine, the CPU that interactive
+        requests need; so the batch takes only what people leave, and runs at full width once
+        they are gone."""
         started = time.monotonic()
         if await self._interactive_busy(model):
-            await asyncio.sleep(last_s)
+            await asyncio.sleep(last_s * (1 / self.s.batch_busy_duty - 1))
         while slot >= self.s.batch_concurrency_busy and await self._interactive_busy(model):
             await asyncio.sleep(YIELD_POLL_S)
         self.held_s += time.monotonic() - started

@@ -104,6 +104,9 @@ class ServicesSettings(FilesSettings):
     batch_concurrency_busy: int = Field(1, ge=0, description="Lines of one batch in flight while "
                                         "the model has interactive traffic (0: the batch waits "
                                         "until there is none)")
+    batch_busy_duty: float = Field(0.25, gt=0, le=1, description="Share of the time a batch's "
+                                   "sender sends while its model has interactive traffic (it rests "
+                                   "after each line in proportion to how long the line took)")
     batch_max_running: int = Field(2, ge=1, description="Batches run at once (the rest wait)")
     batch_max_attempts: int = Field(8, ge=1, description="Tries of a line that meets 503 or a "
                                     "connection error (429s only slow the batch down)")
