@@ -8,7 +8,7 @@
 - `tend_batches`: start a runner for every active batch that none holds: new ones whose task
   message was lost, ones waiting for a free slot, and ones whose runner died (they resume).
 
-- folding usage: `UsageBook.fold` (shared/usage.py) rolls each day that is over into one hash, so
+- folding usage: `fold` (shared/usage.py) rolls each day that is over into one hash, so
   a usage report over many days and keys reads one hash per day.
 """
 from __future__ import annotations

@@ -8,7 +8,7 @@ import redis.asyncio as aioredis
 from services.celery_app import app
 from services.maintenance import reap_workers as _reap_workers
 from shared.files import FileStore
-from shared.usage import UsageBook
+from shared.usage import fold
 
 
 def _with_redis(fn):
@@ -38,4 +38,4 @@ def expire_files() -> int:
 @app.task(name="kvgate.maintenance.fold_usage")
 def fold_usage() -> list[str]:
     """Usage of the days that are over, rolled up into one hash per day; the days folded."""
-    return _with_redis(lambda r: UsageBook(r).fold())
+    return _with_redis(fold)

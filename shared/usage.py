@@ -29,7 +29,7 @@ def utc_day(t: float | None = None) -> str:
 
 
 class UsageBook:
-    def __init__(self, redis: aioredis.Redis, retention_days: int = 400):
+    def __init__(self, redis: aioredis.Redis, retention_days: int):
         self.redis = redis
         self.ttl_s = retention_days * _DAY_S
 
@@ -57,9 +57,9 @@ class UsageBook:
         """Rows of counters since `since` (whole UTC days), grouped by model+version, day or key."""
         rows: dict[tuple, dict] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
         for day in _days(since):
-            counts = None if key_id else await self._folded(day)
+            counts = None if key_id else await _folded(self.redis, day)
             if counts is None:
-                counts = await self._per_key(day, key_id)
+                counts = await _per_key(self.redis, day, key_id)
             for (kid, model, version, counter), value in counts.items():
                 group = {"model": (model, version), "day": (day,), "key": (kid,)}[by]
                 rows[group][counter] += value
@@ -67,50 +67,52 @@ class UsageBook:
                  "total_tokens": counts["prompt_tokens"] + counts["completion_tokens"]}
                 for group, counts in sorted(rows.items())]
 
-    async def _per_key(self, day: str, key_id: str | None) -> dict[tuple, int]:
-        """(key id, model, version, counter) -> value, from the keys' own hashes of the day."""
-        key_ids = [key_id] if key_id else sorted(
-            k.decode() for k in await self.redis.smembers(names.usage_day_index(day)))
-        counts: dict[tuple, int] = {}
-        for kid in key_ids:
-            for field, value in (await self.redis.hgetall(names.usage_key(kid, day))).items():
-                model, version, counter = field.decode().rsplit("|", 2)
-                counts[(kid, model, version, counter)] = int(value)
-        return counts
 
-    async def _folded(self, day: str) -> dict[tuple, int] | None:
-        """The same counts from the day's roll-up; None when the day has not been folded."""
-        folded = await self.redis.hgetall(names.usage_rollup(day))
-        if not folded:
-            return None
-        counts = {}
-        for field, value in folded.items():
-            kid, rest = field.decode().split("|", 1)  # key ids have no "|"; model names might
-            counts[(kid, *rest.rsplit("|", 2))] = int(value)
-        return counts
+async def fold(redis: aioredis.Redis, now: float | None = None) -> list[str]:
+    """Roll up every day that has been over for ROLLUP_GRACE_S; the days folded."""
+    now = time.time() if now is None else now
+    days = [d.decode() for d in await redis.zrangebyscore(
+        names.USAGE_DAYS_TO_FOLD, "-inf", now - ROLLUP_GRACE_S)]
+    for day in days:
+        # out of line first: a record landing while this runs queues the day again
+        await redis.zrem(names.USAGE_DAYS_TO_FOLD, day)
+        try:
+            counts = await _per_key(redis, day, None)
+            ttl = await redis.ttl(names.usage_day_index(day))  # the roll-up lives as long as its sources
+            pipe = redis.pipeline(transaction=True)
+            pipe.delete(names.usage_rollup(day))
+            if counts and ttl > 0:
+                pipe.hset(names.usage_rollup(day), mapping={"|".join(k): v for k, v in counts.items()})
+                pipe.expire(names.usage_rollup(day), ttl)
+            await pipe.execute()
+        except Exception:
+            await redis.zadd(names.USAGE_DAYS_TO_FOLD, {day: 0}, nx=True)
+            raise
+    return days
 
-    async def fold(self, now: float | None = None) -> list[str]:
-        """Roll up every day that has been over for ROLLUP_GRACE_S; the days folded."""
-        now = time.time() if now is None else now
-        days = [d.decode() for d in await self.redis.zrangebyscore(
-            names.USAGE_DAYS_TO_FOLD, "-inf", now - ROLLUP_GRACE_S)]
-        for day in days:
-            # out of line first: a record landing while this runs queues the day again
-            await self.redis.zrem(names.USAGE_DAYS_TO_FOLD, day)
-            try:
-                counts = await self._per_key(day, None)
-                ttl = await self.redis.ttl(names.usage_day_index(day))
-                pipe = self.redis.pipeline(transaction=True)
-                pipe.delete(names.usage_rollup(day))
-                if counts:
-                    pipe.hset(names.usage_rollup(day), mapping={"|".join(k): v for k, v in counts.items()})
-                    # kept as long as the hashes it sums
-                    pipe.expire(names.usage_rollup(day), ttl if ttl > 0 else self.ttl_s)
-                await pipe.execute()
-            except Exception:
-                await self.redis.zadd(names.USAGE_DAYS_TO_FOLD, {day: 0}, nx=True)
-                raise
-        return days
+
+async def _per_key(redis: aioredis.Redis, day: str, key_id: str | None) -> dict[tuple, int]:
+    """(key id, model, version, counter) -> value, from the keys' own hashes of the day."""
+    key_ids = [key_id] if key_id else sorted(
+        k.decode() for k in await redis.smembers(names.usage_day_index(day)))
+    counts: dict[tuple, int] = {}
+    for kid in key_ids:
+        for field, value in (await redis.hgetall(names.usage_key(kid, day))).items():
+            model, version, counter = field.decode().rsplit("|", 2)
+            counts[(kid, model, version, counter)] = int(value)
+    return counts
+
+
+async def _folded(redis: aioredis.Redis, day: str) -> dict[tuple, int] | None:
+    """The same counts from the day's roll-up; None when the day has not been folded."""
+    folded = await redis.hgetall(names.usage_rollup(day))
+    if not folded:
+        return None
+    counts = {}
+    for field, value in folded.items():
+        kid, rest = field.decode().split("|", 1)  # key ids have no "|"; model names might
+        counts[(kid, *rest.rsplit("|", 2))] = int(value)
+    return counts
 
 
 def _days(since: float) -> list[str]:

@@ -139,11 +139,11 @@ class WorkerService:
             self._collect(self.engine.step())
         reads = [] if draining else self._next_reads()
         if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
-            for (stream, _), reply in zip(reads, replies):
+            for (stream, count), reply in zip(reads, replies):
                 entries = _entries(reply)
                 self.backlog += entries  # admitted by the next _pull, before the next step
                 if stream == self.stream:
-                    self.interactive_drained = len(entries) < dict(reads)[stream]
+                    self.interactive_drained = len(entries) < count
             self.backlog.sort(key=lambda e: e[0] != self.stream)  # interactive entries first
 
     def _until_redis(self, fn) -> None:

@@ -283,7 +283,7 @@ def test_beat_rolls_up_a_finished_days_usage_and_the_report_reads_it(stack):
 
     async def seed():  # a day that is over, as a gateway would have recorded it
         client = aioredis.Redis.from_url(stack.redis_url)
-        await UsageBook(client).record("key_rollup", "demo", "v1",
+        await UsageBook(client, retention_days=3).record("key_rollup", "demo", "v1",
                                        {"prompt_tokens": 11, "completion_tokens": 4}, now=yesterday)
         await client.aclose()
 

@@ -52,7 +52,7 @@ async def test_expired_files_are_deleted(client, tmp_path):
 
 
 async def test_finished_days_fold_into_one_hash_and_reports_read_it(client):
-    from shared.usage import ROLLUP_GRACE_S, UsageBook, utc_day
+    from shared.usage import ROLLUP_GRACE_S, UsageBook, fold, utc_day
 
     book = UsageBook(client, retention_days=3)
     now = time.time()
@@ -65,9 +65,9 @@ async def test_finished_days_fold_into_one_hash_and_reports_read_it(client):
     since = yesterday - 1
     scanned = {by: await book.query(since, None, by) for by in ("model", "day", "key")}
 
-    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S - 1) == []  # yesterday: grace
-    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
-    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S + 1) == []  # folded once
+    assert await fold(client, now=now - now % 86400 + ROLLUP_GRACE_S - 1) == []  # yesterday: grace
+    assert await fold(client, now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
+    assert await fold(client, now=now - now % 86400 + ROLLUP_GRACE_S + 1) == []  # folded once
     rollup = names.usage_rollup(utc_day(yesterday))
     assert 0 < await client.ttl(rollup) <= 3 * 86400
     assert await client.exists(names.usage_rollup(utc_day(today))) == 0  # today is not over
@@ -84,6 +84,6 @@ async def test_finished_days_fold_into_one_hash_and_reports_read_it(client):
 
     # a record that lands on a folded day (a gateway whose clock is far behind) is folded again
     await book.record("key_a", "demo", "v1", {"prompt_tokens": 100, "completion_tokens": 0}, now=yesterday)
-    assert await book.fold(now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
+    assert await fold(client, now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
     by_key = {r["key_id"]: r for r in await book.query(since, None, "key")}
     assert by_key["key_a"]["prompt_tokens"] == 103 and by_key["key_b"]["prompt_tokens"] == 9
