@@ -267,7 +267,10 @@ def test_sigterm_drains_a_worker_without_losing_requests(cluster):
             tasks = [asyncio.create_task(_stream(client, cluster.url, _body(i, 200),
                                                  lambda: chunks.__setitem__(0, chunks[0] + 1)))
                      for i in range(n)]
-            while chunks[0] < n:
+            deadline = time.monotonic() + 10
+            # every stream under way, and the leaving worker's heartbeat (every 0.3 s) says so
+            while chunks[0] < n or (not cluster.info("w-leaving")["active"]
+                                    and time.monotonic() < deadline):
                 await asyncio.sleep(0.01)
             in_flight = cluster.info("w-leaving")["active"]
             leaving.send_signal(signal.SIGTERM)

@@ -149,7 +149,7 @@ async def _load(o: Obs) -> None:
     chat = {"model": "demo", "stream": True, "max_tokens": 8, "ignore_eos": True,
             "messages": [{"role": "user", "content": f"{MARKER} tell me"}]}
     plain = {"model": "demo", "prompt": f"{MARKER} once upon", "max_tokens": 6, "ignore_eos": True}
-    for _ in range(5):  # until both gateway processes have served some (the kernel picks)
+    for _ in range(20):  # until both gateway processes have served some (the kernel picks)
         statuses = await asyncio.gather(*(one("/v1/chat/completions", chat) for _ in range(N_STREAMS)),
                                         *(one("/v1/completions", plain) for _ in range(N_PLAIN)))
         assert set(statuses) == {200}
