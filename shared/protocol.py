@@ -2,6 +2,11 @@
 
 Request entries go gateway → worker on a stream; deltas, errors and done go worker → gateway on
 the gateway's reply channel, each numbered by a per-request sequence so duplicates and gaps show.
+
+Rolling upgrades: a process decodes its own schema version and the one before it, and writes the
+older one to a peer that speaks only that (a worker answers in its entry's version; a gateway writes
+an entry in the oldest version among the workers of its stream, which they put in their registry
+entries). What each version added is listed in ADDED, so writing down drops exactly those fields.
 """
 from __future__ import annotations
 
@@ -10,7 +15,8 @@ from typing import Annotated, Any, Literal, Union
 import orjson
 from pydantic import BaseModel, Field, TypeAdapter
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+OLDEST_SCHEMA = 1  # the previous release's version: still decoded, and written to peers that need it
 ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encoded RequestEntry
 
 
@@ -88,6 +94,7 @@ class ErrorReply(BaseModel):
     code: str
     message: str
     param: str | None = None
+    retryable: bool = False  # v2: the same request may succeed if sent again (503, not 500)
 
 
 class Cancel(BaseModel):
@@ -101,12 +108,31 @@ Reply = Annotated[Union[Delta, Done, ErrorReply], Field(discriminator="type")]
 _reply_adapter: TypeAdapter = TypeAdapter(Reply)
 
 
+# version -> message type -> the fields that version added (a peer of an older version never sees them)
+ADDED: dict[int, dict[str, frozenset[str]]] = {2: {"error": frozenset({"retryable"})}}
+
+
 class ProtocolError(ValueError):
     """A message that is not ours or not of a schema version we understand."""
 
 
-def encode(msg: BaseModel) -> bytes:
-    return orjson.dumps(msg.model_dump(exclude_none=True))
+def encode(msg: BaseModel, version: int | None = None) -> bytes:
+    """`msg` in schema `version` (default: the version it carries, the newest for a new message)."""
+    data = msg.model_dump(exclude_none=True)
+    version = data["v"] if version is None else version
+    if not OLDEST_SCHEMA <= version <= SCHEMA_VERSION:
+        raise ProtocolError(f"cannot write schema version {version}")
+    for newer in range(version + 1, SCHEMA_VERSION + 1):
+        for name in ADDED.get(newer, {}).get(data["type"], ()):
+            data.pop(name, None)
+    data["v"] = version
+    return orjson.dumps(data)
+
+
+def peer_version(advertised: int | None) -> int:
+    """The version to write to a peer that advertised `advertised` (None: a peer from before peers
+    advertised one, which spoke 1)."""
+    return max(OLDEST_SCHEMA, min(SCHEMA_VERSION, advertised or 1))
 
 
 def _load(raw: bytes | str) -> dict:
@@ -118,9 +144,35 @@ def _load(raw: bytes | str) -> dict:
 
 
 def _checked(data) -> dict:
-    if not isinstance(data, dict) or data.get("v") != SCHEMA_VERSION:
-        raise ProtocolError(f"unsupported schema version {data.get('v') if isinstance(data, dict) else None!r}")
+    version = data.get("v") if isinstance(data, dict) else None
+    if not isinstance(version, int) or not OLDEST_SCHEMA <= version <= SCHEMA_VERSION:
+        raise ProtocolError(f"unsupported schema version {version!r} (this process reads "
+                            f"{OLDEST_SCHEMA}..{SCHEMA_VERSION})")
     return data
+
+
+def addressee(raw: bytes | str) -> tuple[str, str | None] | None:
+    """(request_id, reply_channel) of a message that could not be decoded, read as leniently as
+    possible, so its sender can still be answered with an error instead of silence; None if even
+    those are not there."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("request_id"), str):
+        return None
+    channel = data.get("reply_channel")
+    return data["request_id"], channel if isinstance(channel, str) else None
+
+
+def addressees(raw: bytes | str) -> list[str]:
+    """The request ids named in a reply message (one reply or an array) that could not be decoded."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return []
+    items = data if isinstance(data, list) else [data]
+    return [i["request_id"] for i in items if isinstance(i, dict) and isinstance(i.get("request_id"), str)]
 
 
 def decode_entry(raw: bytes | str) -> RequestEntry:

@@ -1,3 +1,4 @@
+import orjson
 import pytest
 
 from shared import names, protocol
@@ -32,15 +33,39 @@ def test_a_steps_replies_travel_as_one_message_in_order():
     assert protocol.decode_replies(message) == replies
     assert protocol.decode_replies(protocol.encode(replies[1])) == [replies[1]]
     with pytest.raises(protocol.ProtocolError):
-        protocol.decode_replies(message.replace(b'"v":1', b'"v":99', 1))
+        protocol.decode_replies(message.replace(b'"v":2', b'"v":99', 1))
 
 
 def test_unknown_schema_version_is_refused():
-    raw = protocol.encode(protocol.Cancel(request_id="r")).replace(b'"v":1', b'"v":99')
+    raw = protocol.encode(protocol.Cancel(request_id="r")).replace(b'"v":2', b'"v":99')
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_cancel(raw)
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_reply(b"not json")
+
+
+def test_the_previous_schema_is_read_and_written_for_an_older_peer():
+    err = protocol.ErrorReply(request_id="r", seq=3, code="engine_step_failed", message="m", retryable=True)
+    old = orjson.loads(protocol.encode(err, version=protocol.OLDEST_SCHEMA))
+    assert old["v"] == 1 and "retryable" not in old  # v1 had no such field
+    back = protocol.decode_reply(protocol.encode(err, version=1))
+    assert back.v == 1 and back.retryable is False and back.code == err.code
+    entry = _entry()
+    v1 = protocol.decode_entry(protocol.encode(entry, version=1))
+    assert v1.v == 1 and protocol.encode(v1) == protocol.encode(entry, version=1)  # kept on re-encode
+    assert protocol.peer_version(None) == 1 and protocol.peer_version(99) == protocol.SCHEMA_VERSION
+    with pytest.raises(protocol.ProtocolError):
+        protocol.encode(entry, version=protocol.OLDEST_SCHEMA - 1)
+
+
+def test_an_undecodable_message_still_names_whom_to_answer():
+    raw = orjson.dumps({"v": 99, "type": "request", "request_id": "r9", "reply_channel": "kvgate:reply:g"})
+    with pytest.raises(protocol.ProtocolError):
+        protocol.decode_entry(raw)
+    assert protocol.addressee(raw) == ("r9", "kvgate:reply:g")
+    assert protocol.addressee(b"[1, 2]") is None and protocol.addressee(b"\xff") is None
+    replies = orjson.dumps([{"v": 99, "request_id": "a"}, {"v": 99, "request_id": "b"}, 7])
+    assert protocol.addressees(replies) == ["a", "b"]
 
 
 def test_names_are_namespaced_and_distinct():
