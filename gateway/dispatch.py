@@ -172,7 +172,7 @@ class Handle:
         self.last_seq = reply.seq
         if isinstance(reply, protocol.ErrorReply):
             self.done = True
-            raise from_code(reply.code, reply.message, reply.param)
+            raise from_code(reply.code, reply.message, reply.param, reply.retryable)
         if isinstance(reply, protocol.Done):
             self.done = True
         return reply

@@ -67,15 +67,57 @@ class RequestTimeout(KvgateError):
     status, type, code = 504, "timeout_error", "timeout"
 
 
+class QuotaExceeded(KvgateError):
+    """A stored-data quota of the key (files, bytes, batches in progress); retrying does not help
+    until something is deleted or finishes."""
+
+    status, type, code = 429, "insufficient_quota", "quota_exceeded"
+
+
 class EngineFailure(KvgateError):
     status, type, code = 500, "server_error", "engine_error"
 
 
+class EngineStepFailed(Overloaded):
+    """A batched engine step failed in a way no single request could be blamed for: every request
+    in it ends with this, the engine resets and goes on; sending the request again may succeed."""
+
+    code = "engine_step_failed"
+
+
+class ResumeFailed(Overloaded):
+    """A request taken over from a dead worker could not be resumed (its checkpoint unreadable or
+    over its cap); sending it again may succeed."""
+
+    code = "resume_failed"
+
+
+class RequestFailedRepeatedly(EngineFailure):
+    """The poison cap: the entry was delivered to workers N times and never finished, so it is
+    answered with this instead of being handed to another worker."""
+
+    code = "request_failed_repeatedly"
+
+
+class UnsupportedSchema(EngineFailure):
+    """A message between gateway and worker in a schema version the reader does not speak."""
+
+    code = "unsupported_schema"
+
+
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, ContextLengthExceeded, AuthenticationFailed,
                                       PermissionDenied, NotFound, Conflict, PayloadTooLarge, Unprocessable,
-                                      RateLimited, Overloaded, RequestTimeout, EngineFailure)}
+                                      RateLimited, Overloaded, RequestTimeout, EngineFailure,
+                                      QuotaExceeded, EngineStepFailed, ResumeFailed,
+                                      RequestFailedRepeatedly, UnsupportedSchema)}
 
 
-def from_code(code: str | None, message: str, param: str | None = None) -> KvgateError:
-    """Rebuild an error that crossed Redis (worker → gateway) from its code."""
-    return _BY_CODE.get(code, EngineFailure)(message, param=param, code=code)
+def from_code(code: str | None, message: str, param: str | None = None,
+              retryable: bool = False) -> KvgateError:
+    """Rebuild an error that crossed Redis (worker → gateway) from its code; an unknown code is an
+    engine failure, or overload (503) when the worker said a retry may succeed."""
+    default = Overloaded if retryable else EngineFailure
+    exc = _BY_CODE.get(code, default)(message, param=param, code=code)
+    if exc.status == 503 and exc.retry_after is None:
+        exc.retry_after = 1
+    return exc
