@@ -26,6 +26,7 @@ from gateway.openai_api import router as openai_router
 from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.registry import Registry
 from gateway.routing import Router
+from gateway.strict_json import StrictJSONMiddleware
 from shared import logs, telemetry
 from shared.batches import BatchStore
 from shared.files import FileStore
@@ -49,7 +50,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
                                 retry_on_error=[ConnectionError, TimeoutError])
         app.state.redis = client
         app.state.registry = Registry(client)
-        app.state.router = Router(client, app.state.registry, settings.worker_stale_s)
+        app.state.router = Router(client, app.state.registry, settings.worker_stale_s,
+                                  settings.max_stream_depth)
         app.state.keystore = KeyStore(client, settings.secret.get_secret_value())
         app.state.limits = Limits(client, settings)
         app.state.usage = UsageBook(client, settings.usage_retention_days)
@@ -57,7 +59,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
         app.state.batches = BatchStore(client, settings.file_retention_days * 86400)
         app.state.batch_queue = BatchQueue(settings.redis_url)
         app.state.dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
-                                          settings.interactive_mark_ms)
+                                          settings.interactive_mark_ms, settings.max_entry_bytes)
         await app.state.dispatcher.start()
         await app.state.router.start()
         yield
@@ -79,6 +81,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
     app.add_api_route("/metrics", metrics, methods=["GET"], tags=["health"],
                       summary="Prometheus metrics (no key, like the health routes)")
+    app.add_middleware(StrictJSONMiddleware)  # inside the body limit: parses bounded bodies only
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES})

@@ -11,7 +11,8 @@ from collections.abc import AsyncIterator
 import redis.asyncio as aioredis
 
 from shared import names, protocol
-from shared.errors import EngineFailure, Overloaded, RequestTimeout, from_code
+from shared.errors import (EngineFailure, KvgateError, Overloaded, PayloadTooLarge, RequestTimeout,
+                           UnsupportedSchema, from_code)
 from shared.telemetry import traced
 
 log = logging.getLogger("kvgate.gateway")
@@ -30,9 +31,10 @@ return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
 
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000,
-                 interactive_mark_ms: int = 1000):
+                 interactive_mark_ms: int = 1000, max_entry_bytes: int = 1 << 20):
         self.redis = redis
         self.max_stream_depth = max_stream_depth
+        self.max_entry_bytes = max_entry_bytes
         self.interactive_mark_ms = interactive_mark_ms
         self._xadd_bounded = redis.register_script(_XADD_BOUNDED)
         self.channel = names.reply_channel(gateway_id)
@@ -75,11 +77,18 @@ class Dispatcher:
             await pubsub.aclose()
 
     def _deliver(self, raw: bytes) -> None:
-        """One message carries a worker step's replies to this gateway; each goes to its request."""
+        """One message carries a worker step's replies to this gateway; each goes to its request.
+        A message this gateway cannot read (a worker of a schema it does not speak) ends the
+        requests it names with an error at once, rather than leaving them to time out."""
         try:
             replies = protocol.decode_replies(raw)
-        except ValueError as exc:  # what it carried is filled in from the checkpoint logs
-            log.warning("dropping undecodable replies: %s", exc)
+        except ValueError as exc:
+            log.warning("undecodable replies: %s", exc)
+            for request_id in protocol.addressees(raw):
+                if (queue := self.queues.get(request_id)) is not None:
+                    queue.put_nowait(UnsupportedSchema(
+                        f"the worker's reply could not be read by this gateway ({exc}); the gateway "
+                        "and the workers of this model are more than one release apart"))
             return
         for reply in replies:
             queue = self.queues.get(reply.request_id)
@@ -87,13 +96,20 @@ class Dispatcher:
                 queue.put_nowait(reply)
 
     @traced("dispatch")
-    async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True) -> "Handle":
-        """Enqueue; an interactive entry also marks its model busy for the batch runners."""
+    async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
+                     schema: int | None = None) -> "Handle":
+        """Enqueue, in the schema the stream's workers speak (`schema`, the oldest among them; None:
+        workers from before they said, which spoke 1); an interactive entry also marks its model
+        busy for the batch runners."""
         if not self.subscribed.is_set():
             raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)
+        raw = protocol.encode(entry, version=protocol.peer_version(schema))
+        if len(raw) > self.max_entry_bytes:  # what one request may hold of Redis's memory
+            raise PayloadTooLarge(f"The request takes {len(raw)} bytes as a queue entry; the limit "
+                                  f"is {self.max_entry_bytes} bytes (KVGATE_MAX_ENTRY_BYTES)")
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[entry.request_id] = queue
-        keys, args = [stream], [self.max_stream_depth, protocol.ENTRY_FIELD, protocol.encode(entry)]
+        keys, args = [stream], [self.max_stream_depth, protocol.ENTRY_FIELD, raw]
         if interactive and self.interactive_mark_ms:
             keys.append(names.interactive_mark(entry.model))
             args.append(self.interactive_mark_ms)
@@ -119,8 +135,9 @@ class Dispatcher:
         try:
             pipe = self.redis.pipeline(transaction=False)
             pipe.set(names.cancelled_key(request_id), reason, ex=CANCEL_MARK_TTL_S)
-            pipe.publish(names.CANCEL_CHANNEL,
-                         protocol.encode(protocol.Cancel(request_id=request_id, reason=reason)))
+            cancel = protocol.Cancel(request_id=request_id, reason=reason)
+            # every worker reads the cancel channel: written in the oldest schema any may speak
+            pipe.publish(names.CANCEL_CHANNEL, protocol.encode(cancel, version=protocol.OLDEST_SCHEMA))
             await pipe.execute()
         except Exception as exc:
             log.warning("could not publish cancel for %s: %s", request_id, exc)
@@ -152,6 +169,9 @@ class Handle:
                 reply = await asyncio.wait_for(self.queue.get(), timeout=min(keepalive_s, remaining))
             except asyncio.TimeoutError:  # silence: maybe replies were lost while we reconnected
                 reply = KEEPALIVE
+            if isinstance(reply, KvgateError):  # the reply could not be read (see _deliver)
+                self.done = True
+                raise reply
             if reply is KEEPALIVE or reply is RESYNC:
                 for missed in await self._from_log(upto=None):
                     yield self._accept(missed)
@@ -186,7 +206,10 @@ class Handle:
             return []
         found: dict[int, object] = {}
         for raw in raws:
-            reply = protocol.decode_reply(raw)
+            try:
+                reply = protocol.decode_reply(raw)
+            except ValueError:  # a line of a schema we do not read: the run stops short of it
+                continue
             if reply.seq > self.last_seq and (upto is None or reply.seq < upto):
                 found.setdefault(reply.seq, reply)
         out, want = [], self.last_seq + 1

@@ -23,8 +23,13 @@ def error_response(exc: KvgateError) -> JSONResponse:
     return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
+
+
 def _param(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if p != "body"]
+    """`messages.0.content.0.text`: the body's path, without pydantic's union-branch tags."""
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
+        "[" in p or p in _UNION_TAGS))]
     return ".".join(parts) or None
 
 
@@ -32,13 +37,22 @@ async def _on_kvgate(_: Request, exc: KvgateError) -> JSONResponse:
     return error_response(exc)
 
 
+def invalid_json_body(detail: str | None = None) -> JSONResponse:
+    message = "request body is not valid JSON" + (f": {detail}" if detail else "")
+    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                      "code": "invalid_value"}}
+    return JSONResponse(body, status_code=422)
+
+
 async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    if errors and errors[0].get("type") == "json_invalid":
+        return invalid_json_body((errors[0].get("ctx") or {}).get("error"))
+    # a union reports every branch; the deepest error is the one about what the client meant
+    first = max(errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
     param = _param(tuple(first.get("loc", ())))
-    message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
-    if first.get("type") == "json_invalid":
-        message, param = "request body is not valid JSON", None
+    msg = str(first.get("msg")).removeprefix("Value error, ")
+    message = f"{param}: {msg}" if param else msg
     body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
                       "code": "invalid_value"}}
     return JSONResponse(body, status_code=422)

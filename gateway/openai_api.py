@@ -17,7 +17,7 @@ from gateway.admission import Lease, admit, set_ratelimit_headers
 from gateway.dispatch import KEEPALIVE, Handle
 from gateway.routing import VERSION_HEADER, Outcome, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
-from gateway.validation import check_context, check_model_allowed
+from gateway.validation import check_context, check_model_allowed, check_output_limits, check_token_ids
 from shared import logs, names, protocol, telemetry
 from shared.batches import BATCH_PRIORITY
 from shared.errors import KvgateError, NotFound
@@ -58,14 +58,18 @@ async def completions(body: CompletionRequest, request: Request, lease: Lease = 
 async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, logprobs: int | None):
     state = request.app.state
     check_model_allowed(lease.key, body.model)
+    check_output_limits(body.min_tokens, body.limit())
     outcome = await state.router.choose(body.model, lease.key, request.headers.get(VERSION_HEADER))
     version = outcome.version
-    check_context(await state.registry.max_model_len(body.model, version), body.limit(), prompt)
+    facts = await state.registry.facts(body.model, version)
+    check_token_ids(facts.vocab_size, prompt, body.stop_token_ids)
+    check_context(facts.max_model_len, body.limit(), prompt)
     await _reserve_tokens(request, lease, body, prompt)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
-                                           interactive=lease.lane == names.DEFAULT_LANE)
+                                           interactive=lease.lane == names.DEFAULT_LANE,
+                                           schema=facts.schema)
     lease.model, lease.version = body.model, version
     if lease.lane == names.DEFAULT_LANE:  # batch lines wait behind by design: no canary signal
         lease.outcome = outcome

@@ -2,12 +2,28 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import orjson
 import redis.asyncio as aioredis
 
 from shared import names
 from shared.errors import NotFound, Overloaded
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the live workers of one (name, version) say about their model: the smallest of each
+    (a rolling upgrade may mix workers), None where no worker says (an older worker)."""
+
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    schema: int | None = None  # the protocol schema to write entries in (None: the oldest, 1)
+
+
+def _smallest(workers: list[dict], field: str) -> int | None:
+    values = [w[field] for w in workers if isinstance(w.get(field), int)]
+    return min(values) if values else None
 
 
 class Registry:
@@ -45,9 +61,8 @@ class Registry:
         raise Overloaded(f"No live worker serves '{served_name}' right now; retry shortly",
                          param="model", retry_after=2)
 
-    async def max_model_len(self, served_name: str, version: str) -> int | None:
-        """The smallest context among the live workers of (name, version); None if none says."""
-        lens = [w["max_model_len"] for w in await self.live_workers()
-                if w["served_name"] == served_name and w["version"] == version
-                and w.get("max_model_len")]
-        return min(lens) if lens else None
+    async def facts(self, served_name: str, version: str) -> Facts:
+        workers = [w for w in await self.live_workers()
+                   if w["served_name"] == served_name and w["version"] == version]
+        schema = 1 if any("schema" not in w for w in workers) else _smallest(workers, "schema")
+        return Facts(_smallest(workers, "max_model_len"), _smallest(workers, "vocab_size"), schema)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -27,8 +28,11 @@ from shared.errors import KvgateError, NotFound, Overloaded, PermissionDenied
 log = logging.getLogger("kvgate.gateway")
 VERSION_HEADER = "x-kvgate-version"
 ROUTE_CACHE_S = 0.5
+ROUTE_CACHE_SIZE = 1024  # names without a route cached per process: a flood of made-up names
+# evicts the oldest, never grows memory
 SWEEP_S = 1.0
 RESCUER = "kvgate-rescuer"  # consumer name the gateway reads stranded entries under
+RESCUE_BATCH = 100  # entries moved per stream per sweep
 
 
 def version_header(x_kvgate_version: str | None = Header(
@@ -84,12 +88,15 @@ async def observed(replies: AsyncIterator, outcome: Outcome) -> AsyncIterator:
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float):
+    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float,
+                 max_stream_depth: int = 1000):
         self.redis = redis
         self.registry = registry
         self.stale_s = stale_s
+        self.max_stream_depth = max_stream_depth
         self.store = RouteStore(redis)
-        self._routes: dict[str, tuple[float, Route | None]] = {}
+        self._routes: dict[str, tuple[float, Route]] = {}  # aliases with a route (admin-made: few)
+        self._routeless: OrderedDict[str, float] = OrderedDict()  # names without: bounded LRU
         self._sweeper: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -100,12 +107,22 @@ class Router:
             self._sweeper.cancel()
 
     async def route_of(self, alias: str) -> Route | None:
-        cached = self._routes.get(alias)
-        if cached is not None and time.monotonic() - cached[0] < ROUTE_CACHE_S:
-            return cached[1]
+        now = time.monotonic()
+        if alias in self._routes and now - self._routes[alias][0] < ROUTE_CACHE_S:
+            return self._routes[alias][1]
+        if now - self._routeless.get(alias, -ROUTE_CACHE_S) < ROUTE_CACHE_S:
+            return None
         route = await self.store.get(alias)
-        self._routes[alias] = (time.monotonic(), route)
-        return route
+        if route is not None:
+            self._routes[alias] = (now, route)
+            self._routeless.pop(alias, None)
+            return route
+        self._routes.pop(alias, None)
+        self._routeless[alias] = now
+        self._routeless.move_to_end(alias)
+        while len(self._routeless) > ROUTE_CACHE_SIZE:
+            self._routeless.popitem(last=False)
+        return None
 
     async def live_workers(self, alias: str) -> list[dict]:
         fresh = time.time() - self.stale_s
@@ -172,8 +189,6 @@ class Router:
         Entries a dead worker had already read are left for the crash-recovery path."""
         moved = 0
         for alias, (_, route) in list(self._routes.items()):
-            if route is None:
-                continue
             live = await self.live_versions(alias)
             target = next((v for v in route.versions() if v in live), None)
             for dead in (v for v in route.versions() if v not in live):
@@ -182,23 +197,48 @@ class Router:
         return moved
 
     async def _rescue(self, alias: str, dead: str, target: str) -> int:
-        src = names.request_stream(alias, dead)
+        """Moves at most RESCUE_BATCH entries, and only as many as the target stream has room for
+        under the depth limit, so a rescue never floods a live version. Entries this rescuer read
+        but never moved (its gateway died mid-way) are taken first. Each move is one transaction
+        (XADD to the target, XACK + XDEL from the source): an entry is never served twice."""
+        src, dst = names.request_stream(alias, dead), names.request_stream(alias, target)
+        room = min(RESCUE_BATCH, self.max_stream_depth - await self.redis.xlen(dst))
+        if room <= 0:
+            return 0
         try:
-            reply = await self.redis.xreadgroup(names.CONSUMER_GROUP, RESCUER, {src: ">"}, count=100)
+            entries = await self._read_stranded(src, room)
         except ResponseError:  # no group: no worker of that version ever started
             return 0
-        entries = reply[0][1] if reply else []
         if not entries:
             return 0
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=True)
         for entry_id, fields in entries:
-            entry = protocol.decode_entry(fields[protocol.ENTRY_FIELD])
-            moved = entry.model_copy(update={"version": target})
-            pipe.xadd(names.request_stream(alias, target), {protocol.ENTRY_FIELD: protocol.encode(moved)})
+            pipe.xadd(dst, {protocol.ENTRY_FIELD: _retarget(fields.get(protocol.ENTRY_FIELD, b""), target)})
             pipe.xack(src, names.CONSUMER_GROUP, entry_id)
             pipe.xdel(src, entry_id)
-        pipe.hincrby(names.canary_counters(alias), "rescued", len(entries))
         await pipe.execute()
+        await self.redis.hincrby(names.canary_counters(alias), "rescued", len(entries))
         log.warning("moved %d queued request(s) of %s:%s (no live worker) to %s", len(entries),
                     alias, dead, target)
         return len(entries)
+
+    async def _read_stranded(self, src: str, count: int) -> list:
+        for start in ("0", ">"):  # first what this rescuer holds from an earlier, interrupted sweep
+            reply = await self.redis.xreadgroup(names.CONSUMER_GROUP, RESCUER, {src: start}, count=count)
+            read = reply[0][1] if reply else []
+            if gone := [i for i, f in read if not f]:  # deleted since it was read: nothing to move
+                await self.redis.xack(src, names.CONSUMER_GROUP, *gone)
+            entries = [(i, f) for i, f in read if f]
+            if entries:
+                return entries
+        return []
+
+
+def _retarget(raw: bytes, version: str) -> bytes:
+    """The entry, now for `version`, in the schema it was written in; one this gateway cannot read
+    moves as it is (the worker that gets it answers its client with an error)."""
+    try:
+        entry = protocol.decode_entry(raw)
+    except ValueError:
+        return raw
+    return protocol.encode(entry.model_copy(update={"version": version}))

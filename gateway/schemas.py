@@ -1,9 +1,15 @@
-"""Request bodies of the OpenAI-compatible routes, with the ranges OpenAI documents."""
+"""Request bodies of the OpenAI-compatible routes, with the ranges OpenAI documents and the bounds
+of gateway/bounds.py on everything else."""
 from __future__ import annotations
 
-from typing import Any, Literal, Union
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from gateway import bounds as b
+
+TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
+StopString = Annotated[str, StringConstraints(min_length=1, max_length=b.STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
@@ -15,26 +21,26 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
+    model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS)
+    max_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: int = Field(0, ge=-1, le=b.TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=b.N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: Union[str, list[str], None] = Field(None, validate_default=True)
-    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: Union[StopString, list[StopString], None] = Field(None, validate_default=True)
+    seed: int | None = Field(None, ge=0, le=b.INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=b.MAX_TOKENS)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=b.STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
-    priority: int = Field(0, ge=-100, le=100)
-    user: str | None = None
+    priority: int = Field(0, ge=-b.PRIORITY, le=b.PRIORITY)
+    user: str | None = Field(None, max_length=b.USER_CHARS)
 
     @field_validator("stop")
     @classmethod
@@ -42,39 +48,55 @@ class _Sampling(BaseModel):
         if v is None:
             return []
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        if any(not s for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        if len(stops) > b.STOP_SEQUENCES:
+            raise ValueError(f"at most {b.STOP_SEQUENCES} stop sequences are allowed")
         return stops
+
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+class TextPart(BaseModel):
+    """The one content part a text model reads; an image or audio part is refused (422), not
+    silently dropped."""
+
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict[str, Any]], None] = None
+    content: Union[str, list[TextPart], None] = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=b.MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
 
 class CompletionRequest(_Sampling):
-    prompt: Union[str, list[int], list[str]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    prompt: Union[str, Annotated[list[TokenId], Field(max_length=b.PROMPT_TOKEN_IDS)], list[str]]
+    logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
     echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v):
+        if v:  # refused rather than ignored: a client that asked for its prompt back would not get it
+            raise ValueError("echo is not supported")
+        return v
 
     @field_validator("prompt")
     @classmethod
@@ -86,6 +108,3 @@ class CompletionRequest(_Sampling):
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
         return v
-
-    def limit(self) -> int | None:
-        return self.max_tokens

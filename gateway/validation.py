@@ -1,13 +1,34 @@
-"""What a valid key may still not ask for: a model it is not allowed, more tokens than the context."""
+"""What a valid request may still not ask for: a model its key is not allowed, more tokens than the
+context, token ids outside the model's vocabulary. The model's numbers come from the facts its
+workers register (gateway/registry.py); the worker checks them again, for entries that did not
+come through this code (an older gateway, a takeover)."""
 from __future__ import annotations
 
 from gateway.keys import KeyRecord
-from shared.errors import ContextLengthExceeded, PermissionDenied
+from shared.errors import ContextLengthExceeded, InvalidRequest, PermissionDenied
 
 
 def check_model_allowed(key: KeyRecord, model: str) -> None:
     if not key.allows(model):
         raise PermissionDenied(f"This API key may not use the model '{model}'", param="model")
+
+
+def check_output_limits(min_tokens: int, limit: int | None) -> None:
+    if limit is not None and min_tokens > limit:
+        raise InvalidRequest(f"min_tokens ({min_tokens}) must not exceed max_tokens ({limit})",
+                             param="min_tokens")
+
+
+def check_token_ids(vocab_size: int | None, prompt: dict, stop_token_ids: list[int]) -> None:
+    """400 naming the first id outside [0, vocab_size), before anything is queued."""
+    if vocab_size is None:
+        return
+    for param, ids in (("prompt", prompt.get("prompt_token_ids") or ()), ("stop_token_ids", stop_token_ids)):
+        for position, token in enumerate(ids):
+            if not 0 <= token < vocab_size:
+                raise InvalidRequest(
+                    f"{param} token id {token} at position {position} is outside this model's "
+                    f"vocabulary [0, {vocab_size})", param=param, code="invalid_token_id")
 
 
 def check_context(max_model_len: int | None, max_tokens: int | None, prompt: dict) -> None:

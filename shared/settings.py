@@ -41,7 +41,10 @@ class GatewaySettings(FilesSettings):
     max_stream_depth: int = Field(1000, ge=1, description="Waiting + in-flight requests per model "
                                   "version beyond which the gateway answers 503 (backpressure)")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish open streams")
-    max_body_bytes: int = Field(1 << 20, description="Largest request body accepted (413 above)")
+    max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body accepted (413 above)")
+    max_entry_bytes: int = Field(1 << 20, ge=1024, description="Largest queue entry one request may "
+                                 "put in Redis (413 above); Redis holds at most "
+                                 "KVGATE_MAX_STREAM_DEPTH of them per model version")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
     max_file_bytes: int = Field(64 << 20, ge=1, description="Largest file /v1/files accepts "

@@ -1,0 +1,59 @@
+"""Every bound on what a client may send to the OpenAI routes, in one place.
+
+The request schemas (gateway/schemas.py) enforce these, so no number reaches JSON encoding, Redis
+or the engine out of range, and no string makes work proportional to its length beyond the body
+limit. README's API section lists them (a test checks it does). Bounds that depend on the model
+(its vocabulary and context) are checked against the facts its workers register
+(gateway/validation.py), after routing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Bound:
+    field: str  # as the client spells it
+    low: int | float | None
+    high: int | float | None
+    note: str = ""
+
+
+INT64_MAX = 2**63 - 1
+TOKEN_ID_MAX = 2**31 - 1  # beyond any vocabulary; the model's own is checked after routing
+
+MODEL_NAME_CHARS = 256
+MAX_TOKENS = 1 << 24  # above any context length; the model's context is checked after routing
+TOP_K = 1 << 20  # a top_k at or above the vocabulary size filters nothing
+N = 16
+STOP_SEQUENCES = 4
+STOP_CHARS = 512  # the detokenizer holds back up to this much text while a stop may still match
+STOP_TOKEN_IDS = 64
+PROMPT_TOKEN_IDS = 1 << 20
+MESSAGES = 10_000
+LOGPROBS = 20
+USER_CHARS = 512
+PRIORITY = 100
+
+BOUNDS = (
+    Bound("model", 1, MODEL_NAME_CHARS, "characters"),
+    Bound("max_tokens, max_completion_tokens", 1, MAX_TOKENS,
+          "and prompt + max_tokens ≤ the model's context (400 context_length_exceeded)"),
+    Bound("min_tokens", 0, MAX_TOKENS, "and ≤ max_tokens when that is given"),
+    Bound("n", 1, N, "choices; n × max_tokens is bounded by n × the context"),
+    Bound("temperature", 0, 2),
+    Bound("top_p", 0, 1, "greater than 0"),
+    Bound("top_k", -1, TOP_K, "-1 or 0: off; at or above the vocabulary: off"),
+    Bound("min_p", 0, 1),
+    Bound("presence_penalty, frequency_penalty", -2, 2),
+    Bound("repetition_penalty", 0, 10, "greater than 0"),
+    Bound("seed", 0, INT64_MAX),
+    Bound("priority", -PRIORITY, PRIORITY, "lower is served first; a key may ask only for its "
+          "own best priority or worse"),
+    Bound("stop", 0, STOP_SEQUENCES, f"strings, each 1 to {STOP_CHARS} characters"),
+    Bound("stop_token_ids", 0, STOP_TOKEN_IDS, "ids, each in [0, the model's vocabulary size)"),
+    Bound("prompt (token ids)", 1, PROMPT_TOKEN_IDS, "ids, each in [0, the model's vocabulary size)"),
+    Bound("messages", 1, MESSAGES, "messages; content is a string or a list of text parts"),
+    Bound("logprobs (completions), top_logprobs (chat)", 0, LOGPROBS),
+    Bound("user", 0, USER_CHARS, "characters"),
+)

@@ -1,0 +1,50 @@
+"""JSON request bodies are read strictly, before any route sees them: a lone UTF-16 surrogate
+("\\ud800"), NaN or Infinity, or a number beyond a double's range is a 422 in OpenAI's shape here,
+instead of a string no JSON encoder can write back (a 500 at the XADD) or a float nobody meant.
+orjson is that strict parser (and integers beyond 64 bits come out of it as floats, which the
+schemas' integer bounds then refuse)."""
+from __future__ import annotations
+
+import orjson
+
+from gateway.errors import invalid_json_body
+
+
+def _is_json(scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            kind = value.split(b";", 1)[0].strip().lower()
+            return kind == b"application/json" or kind.endswith(b"+json")
+    return False
+
+
+class StrictJSONMiddleware:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD") or not _is_json(scope):
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:  # the body limit (outside this middleware) has bounded it already
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunks.append(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        body = b"".join(chunks)
+        if body:
+            try:
+                orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                return await invalid_json_body(str(exc))(scope, receive, send)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
