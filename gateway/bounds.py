@@ -57,3 +57,18 @@ BOUNDS = (
     Bound("logprobs (completions), top_logprobs (chat)", 0, LOGPROBS),
     Bound("user", 0, USER_CHARS, "characters"),
 )
+
+
+def _shown(value: int | float | None) -> str:
+    if isinstance(value, int) and value >= 1 << 16:
+        exponent = value.bit_length()
+        if value == 1 << (exponent - 1):
+            return f"2^{exponent - 1}"
+        if value == (1 << exponent) - 1:
+            return f"2^{exponent}−1"
+    return "—" if value is None else str(value)
+
+
+def readme_row(bound: Bound) -> str:
+    """The bound's row in README's table (a test keeps the two the same)."""
+    return f"| `{bound.field}` | {_shown(bound.low)} | {_shown(bound.high)} | {bound.note} |"

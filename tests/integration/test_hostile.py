@@ -1,0 +1,132 @@
+"""Hostile input over every route, user and admin, against the whole stack (`kvgate up`): each case
+gets its status in OpenAI's error shape, nothing crashes, and the stack still serves a normal
+request afterwards with the same worker and gateway processes. Then schemathesis fuzzes
+/openapi.json with a user key and with an admin key: no server error."""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import orjson
+import psutil
+import pytest
+
+from gateway import bounds
+from tests.conftest import Stack, start_stack, stop_stack  # plain helpers (python -m pytest puts . on the path)
+
+BIG = 123456789012345678901234567890  # beyond 64 bits
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+TEXT = {"model": "demo", "prompt": "hi", "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("hostile"), "paged")
+    s.admin_key = (s.state / "admin.key").read_text().strip()
+    yield s
+    stop_stack(s.proc)
+
+
+def _raw(body: dict, **swap: str) -> bytes:
+    """`body` as JSON with the placeholder strings in `swap` replaced by raw JSON text (what a
+    client can send but no JSON library writes: lone surrogates, NaN, 30-digit integers)."""
+    text = json.dumps(body)
+    for placeholder, raw in swap.items():
+        text = text.replace(json.dumps(placeholder), raw)
+    return text.encode()
+
+
+def _send(stack: Stack, method: str, path: str, content: bytes | None = None, key: str | None = None,
+          **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key or stack.key}"}
+    if content is not None:
+        headers["Content-Type"] = "application/json"
+    return httpx.request(method, stack.url + path, content=content, headers=headers, timeout=60, **kw)
+
+
+def _assert_error(resp: httpx.Response, status: int, param: str | None = "<any>") -> dict:
+    assert resp.status_code == status, f"{resp.status_code} {resp.text[:300]}"
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param != "<any>":
+        assert err["param"] == param, err
+    return err
+
+
+SURROGATE = '"a\\ud800b"'
+V1_CASES = [
+    # (name, path, raw body, status, param)
+    ("surrogate in content", "/v1/chat/completions",
+     _raw({**CHAT, "messages": [{"role": "user", "content": "S"}]}, S=SURROGATE), 422, None),
+    ("surrogate in model", "/v1/completions", _raw({**TEXT, "model": "S"}, S=SURROGATE), 422, None),
+    ("surrogate in stop", "/v1/completions", _raw({**TEXT, "stop": ["S"]}, S=SURROGATE), 422, None),
+    ("surrogate in user", "/v1/chat/completions", _raw({**CHAT, "user": "S"}, S=SURROGATE), 422, None),
+    ("surrogate in prompt", "/v1/completions", _raw({**TEXT, "prompt": "S"}, S=SURROGATE), 422, None),
+    ("surrogate in a part", "/v1/chat/completions", _raw(
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "S"}]}]}, S=SURROGATE),
+     422, None),
+    ("NaN temperature", "/v1/completions", _raw({**TEXT, "temperature": "X"}, X="NaN"), 422, None),
+    ("Infinity top_p", "/v1/completions", _raw({**TEXT, "top_p": "X"}, X="Infinity"), 422, None),
+    ("1e400 penalty", "/v1/completions", _raw({**TEXT, "presence_penalty": "X"}, X="1e400"), 422, None),
+    ("body is a list", "/v1/completions", b"[1, 2]", 422, None),
+    ("body is null", "/v1/chat/completions", b"null", 422, None),
+    ("truncated body", "/v1/chat/completions", b'{"model": "demo", "messages": [', 422, None),
+    ("part not an object", "/v1/chat/completions",
+     _raw({**CHAT, "messages": [{"role": "user", "content": [5]}]}), 422, "messages.0.content.0"),
+    ("part text not a string", "/v1/chat/completions",
+     _raw({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}),
+     422, "messages.0.content.0.text"),
+    ("image part", "/v1/chat/completions", _raw({**CHAT, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}),
+     422, "messages.0.content.0.type"),
+    ("unknown role", "/v1/chat/completions",
+     _raw({**CHAT, "messages": [{"role": "root", "content": "x"}]}), 422, "messages.0.role"),
+    ("no messages", "/v1/chat/completions", _raw({**CHAT, "messages": []}), 422, "messages"),
+    ("model name too long", "/v1/completions", _raw({**TEXT, "model": "m" * 300}), 422, "model"),
+    ("unknown model", "/v1/completions", _raw({**TEXT, "model": "no-such-model"}), 404, "model"),
+    ("echo", "/v1/completions", _raw({**TEXT, "echo": True}), 422, "echo"),
+    ("batched prompts", "/v1/completions", _raw({**TEXT, "prompt": ["a", "b"]}), 422, "prompt"),
+    ("token-id prompt of lists", "/v1/completions", _raw({**TEXT, "prompt": [[1, 2]]}), 422, "<any>"),
+    ("negative token id", "/v1/completions", _raw({**TEXT, "prompt": [1, -7]}), 422, "<any>"),
+    ("token id beyond the vocabulary", "/v1/completions", _raw({**TEXT, "prompt": [10_000_000]}),
+     400, "prompt"),
+    ("stop id beyond the vocabulary", "/v1/completions",
+     _raw({**TEXT, "stop_token_ids": [99_999_999], "min_tokens": 1}), 400, "stop_token_ids"),
+    ("too many stop ids", "/v1/completions",
+     _raw({**TEXT, "stop_token_ids": [1] * (bounds.STOP_TOKEN_IDS + 1)}), 422, "stop_token_ids"),
+    ("too many stops", "/v1/completions", _raw({**TEXT, "stop": list("abcde")}), 422, "stop"),
+    ("stop too long", "/v1/completions", _raw({**TEXT, "stop": ["s" * (bounds.STOP_CHARS + 1)]}),
+     422, "stop.0"),
+    ("empty stop", "/v1/completions", _raw({**TEXT, "stop": [""]}), 422, "stop.0"),
+    ("min_tokens above max_tokens", "/v1/completions", _raw({**TEXT, "min_tokens": 5}), 400, "min_tokens"),
+    ("max_tokens beyond the context", "/v1/completions", _raw({**TEXT, "max_tokens": 1_000_000}),
+     400, "max_tokens"),
+    ("n too large", "/v1/completions", _raw({**TEXT, "n": 17}), 422, "n"),
+    ("logprobs too large", "/v1/completions", _raw({**TEXT, "logprobs": 21}), 422, "logprobs"),
+    ("top_logprobs too large", "/v1/chat/completions",
+     _raw({**CHAT, "logprobs": True, "top_logprobs": 50}), 422, "top_logprobs"),
+    ("user too long", "/v1/chat/completions", _raw({**CHAT, "user": "u" * 600}), 422, "user"),
+] + [
+    (f"{field} beyond 64 bits", "/v1/completions", _raw({**TEXT, field: "X"}, X=str(BIG)), 422, field)
+    for field in ("max_tokens", "seed", "n", "top_k", "priority", "min_tokens", "logprobs")
+] + [
+    (f"{field} beyond 64 bits, negative", "/v1/completions", _raw({**TEXT, field: "X"}, X=str(-BIG)),
+     422, field) for field in ("seed", "priority", "top_k")
+]
+
+
+@pytest.mark.parametrize("name, path, body, status, param", V1_CASES, ids=[c[0] for c in V1_CASES])
+def test_v1_hostile_inputs_get_clear_errors(stack, name, path, body, status, param):
+    _assert_error(_send(stack, "POST", path, body), status, param)
+
+
+def test_a_request_that_refused_costs_no_token_budget_and_the_stack_serves_after(stack):
+    resp = _send(stack, "POST", "/v1/completions", _raw({**TEXT, "max_tokens": 3, "ignore_eos": True}))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
