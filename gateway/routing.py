@@ -223,15 +223,17 @@ class Router:
         return len(entries)
 
     async def _read_stranded(self, src: str, count: int) -> list:
+        entries = []
         for start in ("0", ">"):  # first what this rescuer holds from an earlier, interrupted sweep
-            reply = await self.redis.xreadgroup(names.CONSUMER_GROUP, RESCUER, {src: start}, count=count)
+            reply = await self.redis.xreadgroup(names.CONSUMER_GROUP, RESCUER, {src: start},
+                                                count=count - len(entries))
             read = reply[0][1] if reply else []
             if gone := [i for i, f in read if not f]:  # deleted since it was read: nothing to move
                 await self.redis.xack(src, names.CONSUMER_GROUP, *gone)
-            entries = [(i, f) for i, f in read if f]
-            if entries:
-                return entries
-        return []
+            entries += [(i, f) for i, f in read if f]
+            if len(entries) >= count:
+                break
+        return entries
 
 
 def _retarget(raw: bytes, version: str) -> bytes:

@@ -156,3 +156,34 @@ async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, a
     assert [(e.request_id, e.version) for e in entries] == [("r0", "v1"), ("r1", "v1"), ("r2", "v1")]
     assert await a.redis.xlen(dead) == 0
     assert (await a.store.counters(alias))["rescued"] == 3
+
+
+async def test_a_rescue_respects_the_target_depth_keeps_the_schema_and_resumes_its_own_reads(replicas, alias):
+    a, _ = replicas
+    a.max_stream_depth = 2
+    await _heartbeat(a.redis, alias, "v1")
+    await _put(a, alias, weight=100)
+    dead = names.request_stream(alias, "v2")
+    await a.redis.xgroup_create(dead, names.CONSUMER_GROUP, id="0", mkstream=True)
+    for i in range(3):
+        entry = protocol.RequestEntry(request_id=f"r{i}", reply_channel="c", model=alias,
+                                      version="v2", kind="completion", prompt="hi", created=0.0,
+                                      deadline=time.time() + 60)
+        await a.redis.xadd(dead, {protocol.ENTRY_FIELD: protocol.encode(entry, version=1)})
+    # an earlier sweep of this gateway read one entry and died before moving it
+    await a.redis.xreadgroup(names.CONSUMER_GROUP, "kvgate-rescuer", {dead: ">"}, count=1)
+    await a.route_of(alias)
+    assert await a.sweep() == 2  # the live stream has room for two
+    moved = await a.redis.xrange(names.request_stream(alias, "v1"))
+    raws = [orjson.loads(f[protocol.ENTRY_FIELD]) for _, f in moved]
+    assert [(r["request_id"], r["version"], r["v"]) for r in raws] == [("r0", "v1", 1), ("r1", "v1", 1)]
+    assert await a.sweep() == 0 and await a.redis.xlen(dead) == 1  # full: the last one waits
+
+
+async def test_made_up_model_names_never_grow_the_route_cache(replicas):
+    from gateway.routing import ROUTE_CACHE_SIZE
+
+    a, _ = replicas
+    for _ in range(ROUTE_CACHE_SIZE + 200):
+        assert await a.route_of("made-up-" + secrets.token_hex(8)) is None
+    assert len(a._routeless) == ROUTE_CACHE_SIZE and not a._routes

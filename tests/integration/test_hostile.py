@@ -130,3 +130,42 @@ def test_a_request_that_refused_costs_no_token_budget_and_the_stack_serves_after
     resp = _send(stack, "POST", "/v1/completions", _raw({**TEXT, "max_tokens": 3, "ignore_eos": True}))
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 3
+
+
+def _gateway_pid(stack: Stack) -> int:
+    port = stack.url.rsplit(":", 1)[1]
+    for proc in psutil.Process(stack.proc.pid).children(recursive=True):
+        if "gateway" in proc.cmdline() and port in proc.cmdline():
+            return proc.pid
+    raise AssertionError("no gateway process under kvgate up")
+
+
+def _rss_mb(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+async def _flood(stack: Stack, names: list[str]) -> list[int]:
+    import asyncio
+
+    limit = asyncio.Semaphore(16)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60,
+                                 headers={"Authorization": f"Bearer {stack.key}"}) as client:
+        async def one(name: str) -> int:
+            async with limit:
+                return (await client.post("/v1/completions", json={**TEXT, "model": name})).status_code
+        return await asyncio.gather(*(one(n) for n in names))
+
+
+def test_a_flood_of_made_up_model_names_leaves_gateway_memory_flat(stack):
+    import asyncio
+
+    pid = _gateway_pid(stack)
+    asyncio.run(_flood(stack, [secrets.token_hex(100) for _ in range(300)]))  # warm up
+    before = _rss_mb(pid)
+    huge = [secrets.token_hex(50_000) for _ in range(2000)]  # 100 KB names: refused by the schema
+    short = [secrets.token_hex(100) for _ in range(2000)]  # 200-character names: routed, then 404
+    statuses = asyncio.run(_flood(stack, huge)) + asyncio.run(_flood(stack, short))
+    after = _rss_mb(pid)
+    print(f"gateway RSS {before:.1f} MB -> {after:.1f} MB after {len(statuses)} made-up names")
+    assert set(statuses[:2000]) == {422} and set(statuses[2000:]) == {404}
+    assert after - before < 8, f"gateway RSS grew {after - before:.1f} MB"
