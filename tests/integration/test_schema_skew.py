@@ -74,7 +74,8 @@ def cluster(tmp_path, tiny_model_dir):
     c.peers = []
     yield c
     for peer in c.peers:
-            peer.join(5)
+        peer.stopping.set()
+        peer.join(5)
     c.close()
 
 
