@@ -21,7 +21,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS)
+    model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
     max_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -77,7 +77,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1, max_length=b.MESSAGES)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=b.MESSAGES,
+                                        examples=[[{"role": "user", "content": "Hello"}]])
     max_completion_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
