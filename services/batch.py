@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -47,26 +49,35 @@ YIELD_POLL_S = 0.05  # how often held-back senders look whether interactive traf
 
 @dataclass
 class Line:
-    """One input line: what to send, or why it cannot be sent."""
+    """One input line: where it is and what it asks for, or why it cannot be sent."""
 
     number: int  # 1-based, in the input file
     custom_id: str | None = None
-    body: dict | None = None
+    model: str | None = None
+    span: tuple[int, int] | None = None  # (offset, length) in the input file, when it can be sent
     error: tuple[str, str] | None = None  # (code, message)
 
 
-def parse_lines(text: str, endpoint: str) -> list[Line]:
+def parse_lines(data: bytes | str, endpoint: str) -> list[Line]:
     """Every non-blank line, checked for what the gateway cannot check: the batch's envelope
     (`custom_id` unique, `method` POST, `url` the batch's endpoint, `body` with a `model`, no
     `stream`). The body's own fields are checked by the gateway when the line is sent. Lines end
     at "\n" and blanks are ASCII whitespace, as the gateway counted them at upload."""
+    return list(_parse(io.BytesIO(data.encode() if isinstance(data, str) else data), endpoint))
+
+
+def _parse(f: BinaryIO, endpoint: str):
+    """The lines of a file, one at a time (a line that is not UTF-8 raises UnicodeDecodeError)."""
     seen: set[str] = set()
-    blank = BLANK.decode()
-    return [_check(n, raw, endpoint, seen) for n, raw in enumerate(text.split("\n"), 1)
-            if raw.strip(blank)]
+    offset = 0
+    for number, raw in enumerate(f, 1):
+        raw.decode("utf-8")
+        if raw.strip(BLANK):
+            yield _check(number, raw, offset, endpoint, seen)
+        offset += len(raw)
 
 
-def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> Line:
+def _check(number: int, raw: bytes, offset: int, endpoint: str, seen: set[str]) -> Line:
     line = Line(number)
     try:
         obj = orjson.loads(raw)
@@ -97,10 +108,30 @@ def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> Line:
     if why is not None:
         line.error = (why[0], f"Line {number}: {why[1]}")
     else:
-        line.body = body
+        line.model, line.span = body["model"], (offset, len(raw))
     if line.custom_id is not None:
         seen.add(line.custom_id)
     return line
+
+
+class Input:
+    """A batch's input file, held open while the batch runs (deleting the file meanwhile does not
+    pull it away). Its lines are checked in one pass that keeps only where each is; a line's body
+    is read back when it is sent, so the requests are never all in memory at once."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def lines(self, endpoint: str) -> list[Line]:
+        with open(self.fd, "rb", closefd=False) as f:
+            return list(_parse(f, endpoint))
+
+    def body(self, line: Line) -> dict:
+        offset, length = line.span
+        return orjson.loads(os.pread(self.fd, length, offset))["body"]
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def result(line: Line, *, status: int | None = None, request_id: str | None = None,
@@ -188,6 +219,7 @@ class Runner:
         self.transport: httpx.AsyncBaseTransport | None = None  # tests: a gateway stand-in
         self._marks: dict[str, tuple[float, bool]] = {}  # model -> (looked at, interactive busy)
         self.held_s = 0.0  # sender-seconds spent yielding to interactive traffic
+        self.input: Input | None = None  # while the batch's lines are sent
 
     async def run(self) -> str:
         """What happened, in a few words (the Celery task's result, and its log line)."""
@@ -203,12 +235,19 @@ class Runner:
     async def _run(self, batch: Batch) -> str:
         if batch.status == "cancelling":
             return await self._finalize(batch, [], "cancelled")
-        lines = await self._lines(batch)
-        if lines is None:
+        opened = await self._open(batch)
+        if opened is None:
             return "failed"
+        self.input, lines = opened
+        try:
+            return await self._run_lines(batch, lines)
+        finally:
+            self.input.close()
+
+    async def _run_lines(self, batch: Batch, lines: list[Line]) -> str:
         if batch.status == "validating":
             await self.store.update(self.id, total=len(lines),
-                                    model=next((ln.body["model"] for ln in lines if ln.body), None))
+                                    model=next((ln.model for ln in lines if ln.model), None))
             moved, _ = await self.store.move(self.id, "in_progress", "validating")
             if not moved:  # cancelled while validating
                 return await self._finalize(batch, lines, "cancelled")
@@ -217,27 +256,32 @@ class Runner:
         for line in lines:
             if line.error is not None and line.number not in done:
                 await self._record(line, result(line, error=line.error))
-        todo = [ln for ln in lines if ln.body is not None and ln.number not in done]
+        todo = [ln for ln in lines if ln.span is not None and ln.number not in done]
         ending = await self._send_all(batch, todo)
         return await self._finalize(batch, lines, ending)
 
-    async def _lines(self, batch: Batch) -> list[Line] | None:
-        """The input file's lines; None when the batch cannot run at all (and has failed)."""
+    async def _open(self, batch: Batch) -> tuple[Input, list[Line]] | None:
+        """The input file and its lines; None when the batch cannot run at all (and has failed)."""
         record = await self.files.find(batch.input_file_id)
         why = None
-        if record is None or not self.files.path(record.id).exists():
+        try:
+            source = Input(self.files.path(record.id)) if record is not None else None
+        except FileNotFoundError:
+            source = None
+        if source is None:
             why = ("file_not_found", f"Input file {batch.input_file_id} no longer exists")
         elif self.s.secret is None:
             why = ("server_error", "The batch runner has no KVGATE_SECRET to send lines with")
         else:
             try:
-                lines = parse_lines(self.files.path(record.id).read_bytes().decode("utf-8"),
-                                    batch.endpoint)
+                lines = await asyncio.to_thread(source.lines, batch.endpoint)
                 if lines:
-                    return lines
+                    return source, lines
                 why = ("empty_file", "The input file has no lines")
             except UnicodeDecodeError:
                 why = ("invalid_file", "The input file is not UTF-8")
+        if source is not None:
+            source.close()
         await self.store.update(self.id, errors=[{"code": why[0], "message": why[1]}])
         await self.store.finish(batch, "failed", "validating", "in_progress")
         log.warning("batch %s failed: %s", self.id, why[1])
@@ -289,7 +333,7 @@ class Runner:
         last_s = 0.0  # how long this sender's last line took
         while not queue.empty():
             line = queue.get_nowait()
-            await self._yield_to_interactive(slot, line.body["model"], last_s)
+            await self._yield_to_interactive(slot, line.model, last_s)
             started = time.monotonic()
             await self._record(line, await self._send(http, endpoint, line))
             last_s = time.monotonic() - started
@@ -320,13 +364,14 @@ class Runner:
         """The line's result: the gateway's answer, retried while it is transient (503, a lost
         connection: up to `batch_max_attempts` with backoff; 429: the batch pauses for as long as
         the gateway says, and that costs no attempt)."""
+        request = self.input.body(line)
         attempt = 0
         while True:
             if (wait := self.pause_until - time.time()) > 0:
                 await asyncio.sleep(wait)
             attempt += 1
             try:
-                resp = await http.post(endpoint, json=line.body)
+                resp = await http.post(endpoint, json=request)
             except httpx.TransportError as exc:
                 if attempt >= self.s.batch_max_attempts:
                     return result(line, error=("connection_error", f"The gateway could not be "

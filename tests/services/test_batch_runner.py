@@ -292,3 +292,18 @@ async def test_tend_sends_no_more_while_as_many_messages_wait(env):
         assert await tend_batches(client, lambda _: None) == []
     finally:
         await client.delete(queue)
+
+
+async def test_lines_are_read_back_as_they_are_sent_even_if_the_input_file_is_deleted(env):
+    client, settings = env
+    batch, files = await _batch(client, settings, [line(f"r{i}") for i in range(6)])
+    sent = []
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        if not sent:
+            await files.delete(await files.find(batch.input_file_id))
+        sent.append(orjson.loads(request.content)["messages"][0]["content"])
+        return _completion(request)
+
+    _, done = await _run(client, settings, batch, gateway)
+    assert done.status == "completed" and sorted(sent) == [f"r{i}" for i in range(6)]
