@@ -115,6 +115,13 @@ def quota_error(call) -> str:
     return error["message"]
 
 
+def _cli(gw: Gateways, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "kvgate", "keys", *args, "--json", "--url", gw.urls[1],
+                          "--admin-key", ADMIN], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
 def stored(gw: Gateways, key_id: str) -> dict[bytes, bytes]:
     r = redis.Redis.from_url(gw.redis.url)
     try:
@@ -172,6 +179,10 @@ def test_each_quota_is_a_429_naming_it_and_an_admin_override_raises_it(gw):
     upload(client, jsonl(100))
     assert gw.patch(key["id"], max_files=None)["max_files"] is None  # back to the default (1000)
     upload(client, jsonl(100))
+    shown = _cli(gw, "update", key["name"], "--max-files", "4", "--max-stored-bytes", "1000000")
+    assert '"max_files": 4' in shown and '"max_stored_bytes": 1000000' in shown
+    quota_error(lambda: upload(client, jsonl(100)))  # the CLI's limit holds: 4 files kept
+    assert '"max_files": null' in _cli(gw, "update", key["name"], "--clear", "max-files")
 
     # batches in progress: none runs here (no Celery), so each stays in `validating`
     assert gw.patch(key["id"], max_batches_in_progress=1)["max_batches_in_progress"] == 1
