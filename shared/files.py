@@ -9,6 +9,7 @@ expired ones (bytes and record), so neither the disk nor Redis grows without bou
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import re
 import secrets
@@ -216,8 +217,9 @@ class FileStore:
         disk; how many files went."""
         now = now or time.time()
         for partial in self.dir.glob(".*.tmp") if self.dir.exists() else []:
-            if partial.stat().st_mtime < now - ABANDONED_S:
-                partial.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # its upload may just have finished
+                if partial.stat().st_mtime < now - ABANDONED_S:
+                    partial.unlink()
         due = await self.redis.zrangebyscore(names.FILES_EXPIRY, "-inf", now)
         for file_id in (i.decode() for i in due):
             record = await self.find(file_id)

@@ -51,6 +51,23 @@ redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return {0}
 """
 
+# KEYS: the key's hash. ARGV: now. Drops the holds past their expiry; how many went.
+PRUNE = """
+local gone = 0
+local fields = redis.call('HGETALL', KEYS[1])
+for i = 1, #fields, 2 do
+  local f, v = fields[i], fields[i + 1]
+  local kind, expiry = string.sub(f, 1, 2), nil
+  if kind == 'u:' then expiry = tonumber(string.match(v, ':(%d+)$'))
+  elseif kind == 'b:' then expiry = tonumber(v) end
+  if expiry and expiry <= tonumber(ARGV[1]) then
+    redis.call('HDEL', KEYS[1], f)
+    gone = gone + 1
+  end
+end
+return gone
+"""
+
 KINDS = (("stored bytes", "max_stored_bytes", "Delete files to make room."),
          ("files", "max_files", "Delete files to make room."),
          ("batches in progress", "max_batches_in_progress",
@@ -93,6 +110,7 @@ class Quota:
     def __init__(self, redis: aioredis.Redis):
         self.redis = redis
         self._hold = redis.register_script(HOLD)
+        self._prune = redis.register_script(PRUNE)
 
     async def hold_upload(self, owner: str, token: str, nbytes: int, expires: float,
                           limits: QuotaLimits | None) -> None:
@@ -122,6 +140,15 @@ class Quota:
     def drop(pipe, owner: str, field: str) -> None:
         """In the transaction that deletes a file or ends a batch: it no longer counts."""
         pipe.hdel(names.stored_by(owner), field)
+
+    async def prune(self, now: float | None = None) -> int:
+        """Drop every key's holds past their expiry (a check drops its own key's on the way; this
+        is for keys that check no more); how many went."""
+        now = int(now or time.time())
+        gone = 0
+        async for key in self.redis.scan_iter(match=names.stored_by("*"), _type="hash"):
+            gone += await self._prune(keys=[key], args=[now])
+        return gone
 
     async def usage(self, owner: str, now: float | None = None) -> Usage:
         """What the key keeps now (live holds included), as the script counts it."""

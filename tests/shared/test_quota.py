@@ -111,3 +111,13 @@ async def test_the_active_set_forgets_batches_that_are_gone_or_final(client):
     assert not {batch.id, "batch_gone"} & set(await store.active())
     assert (await store.quota.usage(who)).batches == 0
     assert 0 < await client.ttl(names.batch_record(batch.id))
+
+
+async def test_maintenance_drops_the_holds_of_keys_that_check_no_more(client):
+    quota, who = Quota(client), owner()
+    soon = time.time() + 2  # then their gateway died: nothing renews or releases them
+    await quota.hold_upload(who, "dead", 10, soon, None)
+    await quota.hold_batch(who, "batch_dead", soon, None)
+    await quota.hold_upload(who, "live", 10, time.time() + 60, None)
+    assert await quota.prune(now=soon + 1) >= 2
+    assert set(await client.hkeys(names.stored_by(who))) == {b"u:live"}
