@@ -208,8 +208,26 @@ def test_stored_bytes_are_held_exactly_and_deleting_a_file_gives_them_back(gw):
     assert sorted(int(v) for v in entries.values()) == [400, 600]  # two files; no hold left behind
     with pytest.raises(openai.APIStatusError) as big:  # over the size limit: nothing kept either
         upload(client, jsonl(70 << 20))
-    assert big.value.status_code == 413
+    assert big.value.status_code == 413  # refused by its declared length
     assert stored(gw, key["id"]) == entries
+
+
+def test_an_upload_crossing_the_size_limit_is_stopped_there_and_leaves_nothing(gw):
+    secret, key = gw.key()
+    head = (b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            b'--b\r\nContent-Disposition: form-data; name="file"; filename="x.jsonl"\r\n\r\n')
+    chunk = jsonl(1 << 20)
+
+    def body():  # no declared length (chunked): only the stream itself can show the size
+        yield head
+        for _ in range(65):
+            yield chunk
+
+    resp = httpx.post(gw.urls[1] + "/v1/files", content=body(), timeout=60, headers={
+        "Authorization": f"Bearer {secret}", "Content-Type": "multipart/form-data; boundary=b"})
+    assert resp.status_code == 413 and "67108864 bytes (KVGATE_MAX_FILE_BYTES)" in resp.text
+    assert list((gw.root / "data" / "files").glob(".*.tmp")) == []
+    assert stored(gw, key["id"]) == {}
 
 
 def test_concurrent_uploads_over_two_gateways_never_pass_the_byte_quota(gw):
@@ -271,20 +289,28 @@ def _memory_kb(pid: int) -> tuple[int, int]:
 
 # -- requests per minute ---------------------------------------------------------------------
 def test_files_and_batches_count_against_requests_per_minute_but_polling_a_batch_does_not(gw):
-    secret, _ = gw.key(rpm=4)
-    client = gw.client(secret)
+    files_only = gw.client(gw.key(rpm=3)[0])
+    made = upload(files_only, jsonl(100))  # 1
+    listed = files_only.files.with_raw_response.list()  # 2
+    assert listed.headers["x-ratelimit-limit-requests"] == "3"
+    assert listed.headers["x-ratelimit-remaining-requests"] == "1"
+    files_only.files.retrieve(made.id)  # 3
+    _rate_limited(lambda: files_only.files.content(made.id), 3)
+
+    client = gw.client(gw.key(rpm=3)[0])
     made = upload(client, jsonl(100))  # 1
     batch = client.batches.create(input_file_id=made.id, endpoint="/v1/completions",  # 2
                                   completion_window="24h")
-    listed = client.files.with_raw_response.list()  # 3
-    assert listed.headers["x-ratelimit-limit-requests"] == "4"
-    assert listed.headers["x-ratelimit-remaining-requests"] == "1"
-    client.batches.list()  # 4
-    for call in (lambda: client.files.retrieve(made.id), lambda: upload(client, jsonl(100)),
-                 lambda: client.batches.cancel(batch.id)):
-        with pytest.raises(openai.RateLimitError) as refused:
-            call()
-        assert refused.value.body["code"] == "rate_limit_exceeded"
-        assert "requests per minute (RPM): Limit 4" in refused.value.body["message"]
+    client.batches.list()  # 3
+    for call in (lambda: client.batches.cancel(batch.id), lambda: upload(client, jsonl(100)),
+                 lambda: client.files.delete(made.id)):
+        _rate_limited(call, 3)
     for _ in range(5):  # polling is exempt: a batch's owner may watch it as often as it likes
         assert client.batches.retrieve(batch.id).id == batch.id
+
+
+def _rate_limited(call, rpm: int) -> None:
+    with pytest.raises(openai.RateLimitError) as refused:
+        call()
+    assert refused.value.body["code"] == "rate_limit_exceeded"
+    assert f"requests per minute (RPM): Limit {rpm}" in refused.value.body["message"]
