@@ -19,7 +19,7 @@ from gateway.admission import set_ratelimit_headers
 from gateway.auth import authenticate
 from gateway.keys import KeyRecord
 from gateway.list_page import ListPage
-from gateway.uploads import ENVELOPE_BYTES, OPENAPI_BODY, receive
+from gateway.uploads import ENVELOPE_BYTES, OPENAPI_BODY, receive_upload
 from shared import names
 from shared.errors import PermissionDenied
 from shared.files import FileObject, FileStore
@@ -81,7 +81,7 @@ def _store(request: Request) -> FileStore:
 async def upload(request: Request, key: Metered) -> FileObject:
     """Upload a batch input file: one request per line (`custom_id`, `method`, `url`, `body`).
     The key is checked before any of the body is read; the file is then streamed to disk."""
-    record = await receive(request, _store(request), key.id, quota_limits(request, key))
+    record = await receive_upload(request, _store(request), key.id, quota_limits(request, key))
     return record.public()
 
 

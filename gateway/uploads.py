@@ -179,7 +179,8 @@ class UploadHold:
         self.held = nbytes
 
 
-async def receive(request: Request, store: FileStore, owner: str, limits: QuotaLimits) -> StoredFile:
+async def receive_upload(request: Request, store: FileStore, owner: str,
+                         limits: QuotaLimits) -> StoredFile:
     """The uploaded file, stored and counted; on any failure nothing of it is left (partial bytes
     removed, quota hold released)."""
     settings = request.app.state.settings
