@@ -39,6 +39,10 @@ class KeyUpdate(BaseModel):
     canary_cohort: str | None = None
     version_override: bool | None = None
     metadata: dict[str, str] | None = None
+    # stored-data quotas; null: back to the gateway's default
+    max_stored_bytes: int | None = Field(None, ge=0, le=1 << 50)
+    max_files: int | None = Field(None, ge=0, le=100_000)
+    max_batches_in_progress: int | None = Field(None, ge=0, le=10_000)
 
 
 class KeyRotate(BaseModel):

@@ -1,4 +1,16 @@
-"""Refuse bodies over the configured size with 413 before anything parses them."""
+"""Refuse bodies over the configured size with 413 before anything parses them.
+
+JSON bodies (at most KVGATE_MAX_BODY_BYTES, 1 MiB) are read here, under that bound, before routing
+and so before the key is checked: what an anonymous client can make a gateway hold is that much per
+open connection, as for a keyed one, and the failed-auth throttle turns an address away after its
+burst of 401s. Checking the key first would take a second authentication path in a middleware, or
+routes without a declared body (and so without the schemas clients and fuzzers read).
+
+Uploads are different: up to KVGATE_MAX_FILE_BYTES, so their routes (`larger`) read their own body
+as a stream, after the key is checked, under their own limit; here only the declared length is
+checked. What a route answers before reading its body, uvicorn discards as it arrives (the
+connection stays usable, so the client reads its answer instead of a reset), never buffering it.
+"""
 from __future__ import annotations
 
 import orjson
@@ -10,7 +22,7 @@ class BodyLimitMiddleware:
     def __init__(self, app, max_bytes: int, larger: dict[str, int] | None = None):
         self.app = app
         self.max_bytes = max_bytes
-        self.larger = larger or {}  # path -> its own limit (file uploads)
+        self.larger = larger or {}  # path -> its own limit; its route reads the body as a stream
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -19,6 +31,8 @@ class BodyLimitMiddleware:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             return await self._refuse(send, limit)
+        if scope["path"] in self.larger:
+            return await self.app(scope, receive, send)
         body, more = [], True
         total = 0
         while more:  # buffer (at most max_bytes) so chunked bodies are bounded too

@@ -2,29 +2,34 @@
 
 A file belongs to the key that uploaded it (or whose batch produced it); to any other key it does
 not exist (404). Sizes are checked against KVGATE_MAX_FILE_BYTES (413) and the number of lines
-against KVGATE_MAX_FILE_LINES (400); the lines themselves are checked when a batch runs them.
+against KVGATE_MAX_FILE_LINES (400); the lines themselves are checked when a batch runs them. A
+key's files count against its quotas of bytes and files (429, gateway/uploads.py streams the body
+in against them), and every call here counts against its requests per minute.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
 from gateway.admin_schemas import ErrorBody
+from gateway.admission import set_ratelimit_headers
 from gateway.auth import authenticate
 from gateway.keys import KeyRecord
 from gateway.list_page import ListPage
+from gateway.uploads import ENVELOPE_BYTES, OPENAPI_BODY, receive_upload
 from shared import names
-from shared.errors import InvalidRequest, PayloadTooLarge, PermissionDenied
+from shared.errors import PermissionDenied
 from shared.files import FileObject, FileStore
+from shared.quota import QuotaLimits
 
-UPLOAD_ENVELOPE_BYTES = 64 << 10  # room for the multipart framing around the file itself
+UPLOAD_ENVELOPE_BYTES = ENVELOPE_BYTES  # room for the multipart framing around the file itself
 ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
     (400, "Not a batch file, not UTF-8, empty or too many lines"), (401, "No or a bad key"),
     (403, "A batch line's token"), (404, "No such file for this key"),
-    (413, "File too large"))}
+    (413, "File too large"), (429, "Requests per minute, or a stored-data quota, exceeded"))}
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERRORS)
 
 
@@ -34,6 +39,28 @@ async def account(request: Request, key: KeyRecord = Depends(authenticate)) -> K
         raise PermissionDenied("A batch line's token cannot manage files or batches",
                                code="batch_token_not_allowed")
     return key
+
+
+async def metered(request: Request, key: KeyRecord = Depends(account)) -> KeyRecord:
+    """`account`, counted against the key's requests per minute like every /v1 call that works."""
+    set_ratelimit_headers(request, await request.app.state.limits.count_request(key))
+    return key
+
+
+Account = Annotated[KeyRecord, Depends(account)]
+Metered = Annotated[KeyRecord, Depends(metered)]
+
+
+def quota_limits(request: Request, key: KeyRecord) -> QuotaLimits:
+    """The key's stored-data quotas: its own, else the gateway's defaults."""
+    s = request.app.state.settings
+    return QuotaLimits(key.name, _given(key.max_stored_bytes, s.max_stored_bytes_per_key),
+                       _given(key.max_files, s.max_files_per_key),
+                       _given(key.max_batches_in_progress, s.max_batches_in_progress_per_key))
+
+
+def _given(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 class FileList(ListPage[FileObject]):
@@ -50,40 +77,16 @@ def _store(request: Request) -> FileStore:
     return request.app.state.files
 
 
-@router.post("", response_model=FileObject)
-async def upload(request: Request, file: UploadFile = File(description="A JSONL file of requests"),
-                 purpose: str = Form(description="Only 'batch' is accepted"),
-                 key: KeyRecord = Depends(account)) -> FileObject:
-    """Upload a batch input file: one request per line (`custom_id`, `method`, `url`, `body`)."""
-    settings = request.app.state.settings
-    if purpose != "batch":
-        raise InvalidRequest(f"purpose '{purpose}' is not supported; use 'batch'", param="purpose")
-    content = await file.read(settings.max_file_bytes + 1)
-    if len(content) > settings.max_file_bytes:
-        raise PayloadTooLarge(f"File exceeds the limit of {settings.max_file_bytes} bytes "
-                              "(KVGATE_MAX_FILE_BYTES)", param="file", code="file_too_large")
-    lines = _count_lines(content)
-    if lines > settings.max_file_lines:
-        raise InvalidRequest(f"File has {lines} lines; the limit is {settings.max_file_lines} "
-                             "lines (KVGATE_MAX_FILE_LINES)", param="file", code="too_many_lines")
-    record = await _store(request).create(key.id, file.filename or "input.jsonl", "batch", content)
+@router.post("", response_model=FileObject, openapi_extra=OPENAPI_BODY)
+async def upload(request: Request, key: Metered) -> FileObject:
+    """Upload a batch input file: one request per line (`custom_id`, `method`, `url`, `body`).
+    The key is checked before any of the body is read; the file is then streamed to disk."""
+    record = await receive_upload(request, _store(request), key.id, quota_limits(request, key))
     return record.public()
 
 
-def _count_lines(content: bytes) -> int:
-    """Non-blank lines of a UTF-8 file; 400 for anything else or for none."""
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InvalidRequest("File must be UTF-8 JSONL", param="file", code="invalid_file") from None
-    lines = sum(1 for line in text.splitlines() if line.strip())
-    if lines == 0:
-        raise InvalidRequest("File is empty", param="file", code="invalid_file")
-    return lines
-
-
 @router.get("", response_model=FileList)
-async def list_files(request: Request, key: KeyRecord = Depends(account),
+async def list_files(request: Request, key: Metered,
                      purpose: str | None = Query(None, description="batch or batch_output"),
                      limit: int = Query(10_000, ge=1, le=10_000),
                      after: str | None = Query(None, description="A file id: the page after it"),
@@ -93,20 +96,20 @@ async def list_files(request: Request, key: KeyRecord = Depends(account),
 
 
 @router.get("/{file_id}", response_model=FileObject)
-async def retrieve(file_id: str, request: Request, key: KeyRecord = Depends(account)) -> FileObject:
+async def retrieve(file_id: str, request: Request, key: Metered) -> FileObject:
     return (await _store(request).get(key.id, file_id)).public()
 
 
 @router.get("/{file_id}/content", response_class=FileResponse,
             responses={200: {"content": {"application/jsonl": {}}, "description": "The file's bytes"}})
-async def content(file_id: str, request: Request, key: KeyRecord = Depends(account)) -> FileResponse:
+async def content(file_id: str, request: Request, key: Metered) -> FileResponse:
     store = _store(request)
     return FileResponse(store.content_path(await store.get(key.id, file_id)),
                         media_type="application/jsonl")
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
-async def delete(file_id: str, request: Request, key: KeyRecord = Depends(account)) -> FileDeleted:
+async def delete(file_id: str, request: Request, key: Metered) -> FileDeleted:
     store = _store(request)
     await store.delete(await store.get(key.id, file_id))
     return FileDeleted(id=file_id)

@@ -27,6 +27,12 @@ class KeyLimits(BaseModel):
     canary_cohort: str | None = Field(None, description="Canary cohort this key's traffic joins")
     version_override: bool = Field(False, description="May force a version with the "
                                    "x-kvgate-version request header")
+    # stored-data quotas (shared/quota.py); None: the gateway's KVGATE_MAX_*_PER_KEY default
+    max_stored_bytes: int | None = Field(None, ge=0, le=1 << 50, description="Bytes of files "
+                                         "(uploads and batch results) the key may keep")
+    max_files: int | None = Field(None, ge=0, le=100_000, description="Files the key may keep")
+    max_batches_in_progress: int | None = Field(None, ge=0, le=10_000, description="Batches of "
+                                                "the key not yet in a final status")
 
 
 class KeyRecord(KeyLimits):

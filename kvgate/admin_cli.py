@@ -14,7 +14,7 @@ from kvgate.cli_client import GatewayClient, KeySource, with_gateway
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped output: no squeezed tables
 CLEARABLE = ("owner", "models", "rpm", "tpm", "max-concurrent", "daily-tokens", "expires",
-             "canary-cohort")
+             "canary-cohort", "max-stored-bytes", "max-files", "max-batches-in-progress")
 ADMIN_KEY = KeySource("admin key", "--admin-key", "KVGATE_ADMIN_KEY", "admin.key",
                       forbidden="the key given is not an admin key")
 with_client = with_gateway(ADMIN_KEY)
@@ -37,6 +37,12 @@ def limit_options(func):
         click.option("--version-override/--no-version-override", default=None,
                      help="May force a version with the x-kvgate-version header"),
         click.option("--meta", multiple=True, metavar="K=V", help="Metadata (repeatable)"),
+        click.option("--max-stored-bytes", type=click.IntRange(min=0),
+                     help="Bytes of files the key may keep (default: KVGATE_MAX_STORED_BYTES_PER_KEY)"),
+        click.option("--max-files", type=click.IntRange(min=0),
+                     help="Files the key may keep (default: KVGATE_MAX_FILES_PER_KEY)"),
+        click.option("--max-batches-in-progress", type=click.IntRange(min=0),
+                     help="Batches not yet final (default: KVGATE_MAX_BATCHES_IN_PROGRESS_PER_KEY)"),
     )):
         func = decorator(func)
     return func

@@ -12,16 +12,23 @@ gateway's functions from here instead would mean a second copy of that path, whi
 Results are appended to a progress file under the data directory as they come, so a runner that
 dies is resumed (by the maintenance beat) from where it was, and the final counts are counted from
 the same records the files are written from: `completed` is the output file's lines, `failed` the
-error file's.
+error file's. The output and error files are written from the progress file one record at a time,
+in input order, through an index of where each line's record is: no step holds every result in
+memory. They count against the owner's stored-data quota, but are never refused by it (a batch may
+only start with room left; its results are not thrown away for want of it).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import logging
+import os
 import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 import orjson
@@ -29,7 +36,7 @@ import redis.asyncio as aioredis
 
 from shared import names
 from shared.batches import Batch, BatchStore, line_token
-from shared.files import FileStore
+from shared.files import BLANK, FileStore, NewFile
 from shared.settings import ServicesSettings
 
 log = logging.getLogger("kvgate.services.batch")
@@ -42,24 +49,35 @@ YIELD_POLL_S = 0.05  # how often held-back senders look whether interactive traf
 
 @dataclass
 class Line:
-    """One input line: what to send, or why it cannot be sent."""
+    """One input line: where it is and what it asks for, or why it cannot be sent."""
 
     number: int  # 1-based, in the input file
     custom_id: str | None = None
-    body: dict | None = None
+    model: str | None = None
+    span: tuple[int, int] | None = None  # (offset, length) in the input file, when it can be sent
     error: tuple[str, str] | None = None  # (code, message)
 
 
-def parse_lines(text: str, endpoint: str) -> list[Line]:
+def parse_lines(data: bytes | str, endpoint: str) -> list[Line]:
     """Every non-blank line, checked for what the gateway cannot check: the batch's envelope
     (`custom_id` unique, `method` POST, `url` the batch's endpoint, `body` with a `model`, no
-    `stream`). The body's own fields are checked by the gateway when the line is sent."""
+    `stream`). The body's own fields are checked by the gateway when the line is sent. Lines end
+    at "\n" and blanks are ASCII whitespace, as the gateway counted them at upload."""
+    return list(_parse(io.BytesIO(data.encode() if isinstance(data, str) else data), endpoint))
+
+
+def _parse(f: BinaryIO, endpoint: str):
+    """The lines of a file, one at a time (a line that is not UTF-8 raises UnicodeDecodeError)."""
     seen: set[str] = set()
-    return [_check(n, raw, endpoint, seen) for n, raw in enumerate(text.splitlines(), 1)
-            if raw.strip()]
+    offset = 0
+    for number, raw in enumerate(f, 1):
+        raw.decode("utf-8")
+        if raw.strip(BLANK):
+            yield _check(number, raw, offset, endpoint, seen)
+        offset += len(raw)
 
 
-def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> Line:
+def _check(number: int, raw: bytes, offset: int, endpoint: str, seen: set[str]) -> Line:
     line = Line(number)
     try:
         obj = orjson.loads(raw)
@@ -90,10 +108,30 @@ def _check(number: int, raw: str, endpoint: str, seen: set[str]) -> Line:
     if why is not None:
         line.error = (why[0], f"Line {number}: {why[1]}")
     else:
-        line.body = body
+        line.model, line.span = body["model"], (offset, len(raw))
     if line.custom_id is not None:
         seen.add(line.custom_id)
     return line
+
+
+class Input:
+    """A batch's input file, held open while the batch runs (deleting the file meanwhile does not
+    pull it away). Its lines are checked in one pass that keeps only where each is; a line's body
+    is read back when it is sent, so the requests are never all in memory at once."""
+
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_RDONLY)
+
+    def lines(self, endpoint: str) -> list[Line]:
+        with open(self.fd, "rb", closefd=False) as f:
+            return list(_parse(f, endpoint))
+
+    def body(self, line: Line) -> dict:
+        offset, length = line.span
+        return orjson.loads(os.pread(self.fd, length, offset))["body"]
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def result(line: Line, *, status: int | None = None, request_id: str | None = None,
@@ -115,23 +153,52 @@ class Stopped(Exception):
     """The batch left in_progress (cancelled) while a line was on its way."""
 
 
+@dataclass(frozen=True)
+class Entry:
+    """Where one line's result lies in the progress file, and what it counts for."""
+
+    offset: int
+    length: int
+    ok: bool
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @classmethod
+    def of(cls, record: dict, offset: int = 0, length: int = 0) -> "Entry":
+        usage = _usage(record) if succeeded(record) else {}
+        return cls(offset, length, succeeded(record), usage.get("prompt_tokens", 0),
+                   usage.get("completion_tokens", 0))
+
+
 class Progress:
     """The results so far, one JSON line per input line, appended as they come."""
 
     def __init__(self, path: Path):
         self.path = path
 
-    def load(self) -> dict[int, dict]:
+    def index(self) -> dict[int, Entry]:
+        """Line number -> its entry, read one record at a time."""
+        out: dict[int, Entry] = {}
         if not self.path.exists():
-            return {}
-        out = {}
-        for raw in self.path.read_bytes().splitlines():
-            try:
-                entry = orjson.loads(raw)
-            except orjson.JSONDecodeError:  # a line cut short by a crash
-                continue
-            out[entry["line"]] = entry["result"]
+            return out
+        offset = 0
+        with open(self.path, "rb") as f:
+            for raw in f:
+                try:
+                    entry = orjson.loads(raw)
+                    out[entry["line"]] = Entry.of(entry["result"], offset, len(raw))
+                except orjson.JSONDecodeError:  # a line cut short by a crash
+                    pass
+                offset += len(raw)
+        if offset and not raw.endswith(b"\n"):  # the cut line must not swallow the next one
+            with open(self.path, "ab") as f:
+                f.write(b"\n")
         return out
+
+    @staticmethod
+    def read(f: BinaryIO, entry: Entry) -> dict:
+        f.seek(entry.offset)
+        return orjson.loads(f.read(entry.length))["result"]
 
     def append(self, number: int, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -152,6 +219,7 @@ class Runner:
         self.transport: httpx.AsyncBaseTransport | None = None  # tests: a gateway stand-in
         self._marks: dict[str, tuple[float, bool]] = {}  # model -> (looked at, interactive busy)
         self.held_s = 0.0  # sender-seconds spent yielding to interactive traffic
+        self.input: Input | None = None  # while the batch's lines are sent
 
     async def run(self) -> str:
         """What happened, in a few words (the Celery task's result, and its log line)."""
@@ -159,53 +227,63 @@ class Runner:
         if held != 1:
             return "another runner has it" if held == 0 else "waiting: enough batches running"
         try:
-            batch = await self.store.find(self.id)
-            if batch is None or batch.status in ("completed", "failed", "expired", "cancelled"):
-                return "nothing to do"
-            return await self._run(batch)
+            batch = await self.store.runnable(self.id)
+            return "nothing to do" if batch is None else await self._run(batch)
         finally:
             await self.store.release(self.id)
 
     async def _run(self, batch: Batch) -> str:
         if batch.status == "cancelling":
             return await self._finalize(batch, [], "cancelled")
-        lines = await self._lines(batch)
-        if lines is None:
+        opened = await self._open(batch)
+        if opened is None:
             return "failed"
+        self.input, lines = opened
+        try:
+            return await self._run_lines(batch, lines)
+        finally:
+            self.input.close()
+
+    async def _run_lines(self, batch: Batch, lines: list[Line]) -> str:
         if batch.status == "validating":
             await self.store.update(self.id, total=len(lines),
-                                    model=next((ln.body["model"] for ln in lines if ln.body), None))
+                                    model=next((ln.model for ln in lines if ln.model), None))
             moved, _ = await self.store.move(self.id, "in_progress", "validating")
             if not moved:  # cancelled while validating
                 return await self._finalize(batch, lines, "cancelled")
-        done = self.progress.load()
+        done = self.progress.index()
         await self.store.update(self.id, **_counts(done.values()))  # resumed: as far as it got
         for line in lines:
             if line.error is not None and line.number not in done:
                 await self._record(line, result(line, error=line.error))
-        todo = [ln for ln in lines if ln.body is not None and ln.number not in done]
+        todo = [ln for ln in lines if ln.span is not None and ln.number not in done]
         ending = await self._send_all(batch, todo)
         return await self._finalize(batch, lines, ending)
 
-    async def _lines(self, batch: Batch) -> list[Line] | None:
-        """The input file's lines; None when the batch cannot run at all (and has failed)."""
+    async def _open(self, batch: Batch) -> tuple[Input, list[Line]] | None:
+        """The input file and its lines; None when the batch cannot run at all (and has failed)."""
         record = await self.files.find(batch.input_file_id)
         why = None
-        if record is None or not self.files.path(record.id).exists():
+        try:
+            source = Input(self.files.path(record.id)) if record is not None else None
+        except FileNotFoundError:
+            source = None
+        if source is None:
             why = ("file_not_found", f"Input file {batch.input_file_id} no longer exists")
         elif self.s.secret is None:
             why = ("server_error", "The batch runner has no KVGATE_SECRET to send lines with")
         else:
             try:
-                lines = parse_lines(self.files.path(record.id).read_bytes().decode("utf-8"),
-                                    batch.endpoint)
+                lines = await asyncio.to_thread(source.lines, batch.endpoint)
                 if lines:
-                    return lines
+                    return source, lines
                 why = ("empty_file", "The input file has no lines")
             except UnicodeDecodeError:
                 why = ("invalid_file", "The input file is not UTF-8")
+        if source is not None:
+            source.close()
         await self.store.update(self.id, errors=[{"code": why[0], "message": why[1]}])
-        await self.store.finish(self.id, "failed", "validating", "in_progress")
+        await self.store.finish(batch, "failed", "validating", "in_progress")
         log.warning("batch %s failed: %s", self.id, why[1])
         return None
 
@@ -255,7 +333,7 @@ class Runner:
         last_s = 0.0  # how long this sender's last line took
         while not queue.empty():
             line = queue.get_nowait()
-            await self._yield_to_interactive(slot, line.body["model"], last_s)
+            await self._yield_to_interactive(slot, line.model, last_s)
             started = time.monotonic()
             await self._record(line, await self._send(http, endpoint, line))
             last_s = time.monotonic() - started
@@ -286,13 +364,14 @@ class Runner:
         """The line's result: the gateway's answer, retried while it is transient (503, a lost
         connection: up to `batch_max_attempts` with backoff; 429: the batch pauses for as long as
         the gateway says, and that costs no attempt)."""
+        request = self.input.body(line)
         attempt = 0
         while True:
             if (wait := self.pause_until - time.time()) > 0:
                 await asyncio.sleep(wait)
             attempt += 1
             try:
-                resp = await http.post(endpoint, json=line.body)
+                resp = await http.post(endpoint, json=request)
             except httpx.TransportError as exc:
                 if attempt >= self.s.batch_max_attempts:
                     return result(line, error=("connection_error", f"The gateway could not be "
@@ -330,35 +409,51 @@ class Runner:
             moved, status = await self.store.move(self.id, "finalizing", "in_progress")
             if not moved:
                 ending = "cancelled" if status == "cancelling" else ending
-        done = self.progress.load()
-        if ending == "expired":  # OpenAI's way: what did not run is reported as expired
-            for line in lines:
-                if line.number not in done:
-                    done[line.number] = result(line, error=(
-                        "batch_expired", "This line was not run before the batch expired"))
-        ordered = [done[n] for n in sorted(done)]
-        ok = [r for r in ordered if succeeded(r)]
-        failed = [r for r in ordered if not succeeded(r)]
-        output = await self._write(batch, "output", ok)
-        errors = await self._write(batch, "error", failed)
+        done = self.progress.index()
+        unrun = {}  # OpenAI's way: what did not run before the batch expired is reported as expired
+        if ending == "expired":
+            unrun = {ln.number: result(ln, error=("batch_expired", "This line was not run before "
+                                                  "the batch expired")) for ln in lines
+                     if ln.number not in done}
+        written = await asyncio.to_thread(self._write_results, batch, done, unrun)
+        output, errors = [await self._publish(new) for new in written]
+        counts = _counts([*done.values(), *map(Entry.of, unrun.values())])
         await self.store.update(self.id, total=len(lines) or None, output_file_id=output,
-                                error_file_id=errors, **_counts(ordered))
+                                error_file_id=errors, **counts)
         sources = {"completed": ("finalizing",), "cancelled": ("cancelling", "validating"),
                    "expired": ("in_progress", "validating")}[ending]
-        if not await self.store.finish(self.id, ending, *sources):
-            await self.store.finish(self.id, "cancelled", "cancelling")
+        if not await self.store.finish(batch, ending, *sources):
+            await self.store.finish(batch, "cancelled", "cancelling")
         self.progress.path.unlink(missing_ok=True)
         status = await self.store.status(self.id)
         log.info("batch %s %s: %d completed, %d failed; senders held back %.1f s for interactive "
-                 "traffic", self.id, status, len(ok), len(failed), self.held_s)
-        return f"{status}: {len(ok)} completed, {len(failed)} failed"
+                 "traffic", self.id, status, counts["completed"], counts["failed"], self.held_s)
+        return f"{status}: {counts['completed']} completed, {counts['failed']} failed"
 
-    async def _write(self, batch: Batch, kind: str, records: list[dict]) -> str | None:
-        if not records:
+    def _write_results(self, batch: Batch, done: dict[int, Entry],
+                       unrun: dict[int, dict]) -> tuple[NewFile, NewFile]:
+        """The output and error files, in input order, one record at a time (in a thread)."""
+        output = self.files.begin(batch.owner, "batch_output", f"{batch.id}_output.jsonl")
+        errors = self.files.begin(batch.owner, "batch_output", f"{batch.id}_error.jsonl")
+        try:
+            with open(self.progress.path, "rb") if done else contextlib.nullcontext() as progress:
+                for number in sorted({*done, *unrun}):
+                    entry = done.get(number)
+                    record = unrun[number] if entry is None else Progress.read(progress, entry)
+                    (output if entry is not None and entry.ok else errors).write(
+                        orjson.dumps(record) + b"\n")
+        except BaseException:
+            output.discard()
+            errors.discard()
+            raise
+        return output, errors
+
+    async def _publish(self, new: NewFile) -> str | None:
+        """The file's id, or None (and no file) when it has no lines."""
+        if new.size == 0:
+            new.discard()
             return None
-        content = b"".join(orjson.dumps(r) + b"\n" for r in records)
-        made = await self.files.create(batch.owner, f"{batch.id}_{kind}.jsonl", "batch_output", content)
-        return made.id
+        return (await self.files.commit(new)).id
 
 
 def _usage(record: dict) -> dict:
@@ -366,13 +461,13 @@ def _usage(record: dict) -> dict:
     return (body.get("usage") or {}) if isinstance(body, dict) else {}
 
 
-def _counts(records) -> dict[str, int]:
-    """The batch's counters, from result records."""
-    records = list(records)
-    ok = [r for r in records if succeeded(r)]
-    return {"completed": len(ok), "failed": len(records) - len(ok),
-            "prompt_tokens": sum(_usage(r).get("prompt_tokens", 0) for r in ok),
-            "completion_tokens": sum(_usage(r).get("completion_tokens", 0) for r in ok)}
+def _counts(entries) -> dict[str, int]:
+    """The batch's counters, from the entries of its results."""
+    entries = list(entries)
+    ok = [e for e in entries if e.ok]
+    return {"completed": len(ok), "failed": len(entries) - len(ok),
+            "prompt_tokens": sum(e.prompt_tokens for e in ok),
+            "completion_tokens": sum(e.completion_tokens for e in ok)}
 
 
 def _json(resp: httpx.Response):

@@ -30,9 +30,16 @@ def reap_workers() -> dict[str, int]:
 
 @app.task(name="kvgate.maintenance.expire_files")
 def expire_files() -> int:
-    """Files past their expiry: deleted, bytes and record."""
+    """Files past their expiry: deleted, bytes, record and quota entry; and what uploads and
+    batch creations cut short by a dead gateway left (partial files, quota holds)."""
     s = app.kvgate_settings
-    return _with_redis(lambda r: FileStore(r, s.data_dir, s.file_retention_days * 86400).expire())
+
+    async def expire(redis) -> int:
+        files = FileStore(redis, s.data_dir, s.file_retention_days * 86400)
+        expired = await files.expire()
+        await files.quota.prune()
+        return expired
+    return _with_redis(expire)
 
 
 @app.task(name="kvgate.maintenance.fold_usage")

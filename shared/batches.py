@@ -8,6 +8,8 @@ them through their lifecycle:
     validating | in_progress → expired (not done within the completion window)
 
 Status changes are compare-and-set (a Lua script), so a cancel and the runner never undo each other.
+A batch counts against its owner's quota of batches in progress (shared/quota.py) from its creation
+until it reaches a final status.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from pydantic import BaseModel, Field
 
 from shared import names
 from shared.errors import NotFound
+from shared.quota import Quota, QuotaLimits, batch_field
 
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
                  "cancelling", "cancelled"]
@@ -30,6 +33,7 @@ Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
 WINDOWS = {"24h": 86400}  # completion windows offered, in seconds (OpenAI's only one)
+QUOTA_GRACE_S = 86400  # past its window a batch still counts this long (its runner expires it)
 BATCH_PRIORITY = 1000  # engine priority of batch lines: after any interactive request (-100..100)
 BATCH_TASK = "kvgate.batches.run"  # the Celery task that runs one batch
 BATCH_QUEUE = "batches"  # its Celery queue (a Redis list under names.CELERY_PREFIX)
@@ -151,24 +155,33 @@ class BatchStore:
     def __init__(self, redis: aioredis.Redis, retention_s: float = 30 * 86400):
         self.redis = redis
         self.retention_s = retention_s
+        self.quota = Quota(redis)
         self._transition = redis.register_script(TRANSITION)
         self._acquire = redis.register_script(ACQUIRE)
 
     async def create(self, owner: str, endpoint: str, input_file_id: str, completion_window: str,
-                     metadata: dict[str, str] | None) -> Batch:
+                     metadata: dict[str, str] | None, limits: QuotaLimits | None = None) -> Batch:
+        """A new batch, in `validating`, counted in progress first (429 if the owner's `limits`
+        leave no room for it); its index entries outlive its record by a little, then go too."""
         now = int(time.time())
         batch = Batch(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
                       completion_window=completion_window, status="validating", created_at=now,
                       expires_at=now + WINDOWS[completion_window], metadata=metadata, owner=owner)
+        await self.quota.hold_batch(owner, batch.id, batch.expires_at + QUOTA_GRACE_S, limits)
         static = batch.model_dump_json(include=set(_STATIC))
+        kept_s = int(self.retention_s) + 2 * 86400  # longer than any record lives (window + retention)
         pipe = self.redis.pipeline(transaction=True)
         pipe.hset(names.batch_record(batch.id), mapping={"record": static, "status": "validating",
                                                          **dict.fromkeys(COUNTERS, 0)})
         pipe.zadd(names.batches_of(owner), {batch.id: now})
-        # ids whose records have surely expired (window + retention) leave the index
-        pipe.zremrangebyscore(names.batches_of(owner), "-inf", now - self.retention_s - 2 * 86400)
+        pipe.zremrangebyscore(names.batches_of(owner), "-inf", now - kept_s)
+        pipe.expire(names.batches_of(owner), kept_s)
         pipe.sadd(names.BATCHES_ACTIVE, batch.id)
-        await pipe.execute()
+        try:
+            await pipe.execute()
+        except BaseException:
+            await self.quota.release(owner, batch_field(batch.id))
+            raise
         return batch
 
     async def find(self, batch_id: str) -> Batch | None:
@@ -202,15 +215,31 @@ class BatchStore:
         raw = await self.redis.hget(names.batch_record(batch_id), "status")
         return raw.decode() if raw else None
 
-    async def finish(self, batch_id: str, to: Status, *sources: Status) -> bool:
-        """A final status: the batch leaves the active set and its record expires with its files."""
-        moved, _ = await self.move(batch_id, to, *sources)
+    async def finish(self, batch: Batch, to: Status, *sources: Status) -> bool:
+        """A final status: the batch leaves the active set and its owner's batches in progress,
+        and its record expires with its files."""
+        moved, _ = await self.move(batch.id, to, *sources)
         if moved:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.srem(names.BATCHES_ACTIVE, batch_id)
-            pipe.expire(names.batch_record(batch_id), int(self.retention_s))
-            await pipe.execute()
+            await self.retire(batch)
         return moved
+
+    async def retire(self, batch: Batch) -> None:
+        """What a batch in a final status no longer needs (again, if a runner died before)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.srem(names.BATCHES_ACTIVE, batch.id)
+        pipe.expire(names.batch_record(batch.id), int(self.retention_s))
+        Quota.drop(pipe, batch.owner, batch_field(batch.id))
+        await pipe.execute()
+
+    async def runnable(self, batch_id: str) -> Batch | None:
+        """The batch if it is still to run; an id whose record is gone or final (its runner died
+        between the two steps of `finish`) leaves the active set here."""
+        batch = await self.find(batch_id)
+        if batch is None:
+            await self.redis.srem(names.BATCHES_ACTIVE, batch_id)
+        elif batch.status in FINAL:
+            await self.retire(batch)
+        return batch if batch is not None and batch.status not in FINAL else None
 
     async def update(self, batch_id: str, **fields) -> None:
         """Set plain fields (counters, model, result file ids, errors) of a batch."""

@@ -1,12 +1,17 @@
 """Files of /v1/files: the bytes under the data directory, the record (OpenAI's file object plus its
 owner) in Redis. The gateway stores uploads; the batch runner reads inputs and stores results.
 
-Every file has an expiry; maintenance deletes expired ones (bytes and record), so neither the disk
-nor Redis grows without bound.
+A file is written as it arrives (`NewFile`, chunk by chunk, never whole in memory) and published
+by `FileStore.commit`, in one transaction with its record and its entry in the owner's quota
+(shared/quota.py); deleting it removes all three. Every file has an expiry; maintenance deletes
+expired ones (bytes and record), so neither the disk nor Redis grows without bound.
 """
 from __future__ import annotations
 
+import codecs
+import contextlib
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -16,7 +21,8 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
 from shared import names
-from shared.errors import NotFound
+from shared.errors import InvalidRequest, NotFound
+from shared.quota import Quota, file_field
 
 Purpose = Literal["batch", "batch_output"]
 
@@ -46,31 +52,120 @@ def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
 
 
+ABANDONED_S = 86400  # a partial file untouched this long belongs to no upload (they time out first)
+BLANK = b" \t\r\n\f\v"  # a line of only these is blank: not a request, and not counted
+_CONTENT = re.compile(rb"[^ \t\r\n\f\v][^\n]*")  # from a line's first non-blank byte to its end
+
+
+class LineCheck:
+    """A batch input file checked as its bytes arrive: UTF-8 (a character split across chunks is
+    fine) and its non-blank lines counted (lines end at b"\n", as the batch runner splits them).
+    400 as soon as it is not UTF-8 or has more than `max_lines` lines; `finish` says how many."""
+
+    def __init__(self, max_lines: int):
+        self.max_lines = max_lines
+        self.lines = 0
+        self._open_counted = False  # the unfinished last line has content (and was counted)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")()
+
+    def feed(self, chunk: bytes) -> None:
+        try:
+            self._utf8.decode(chunk)
+        except UnicodeDecodeError:
+            raise InvalidRequest("File must be UTF-8 JSONL", param="file", code="invalid_file") from None
+        found = sum(1 for _ in _CONTENT.finditer(chunk))
+        first = chunk.find(b"\n")
+        head = chunk if first < 0 else chunk[:first]
+        if self._open_counted and head.strip(BLANK):
+            found -= 1  # the line the previous chunk began goes on here: counted once
+        last = chunk.rfind(b"\n")
+        self._open_counted = (bool(chunk[last + 1:].strip(BLANK)) if last >= 0
+                              else self._open_counted or bool(chunk.strip(BLANK)))
+        self.lines += found
+        if self.lines > self.max_lines:
+            raise InvalidRequest(f"File has at least {self.lines} lines; the limit is "
+                                 f"{self.max_lines} lines (KVGATE_MAX_FILE_LINES)", param="file",
+                                 code="too_many_lines")
+
+    def finish(self) -> int:
+        try:
+            self._utf8.decode(b"", final=True)
+        except UnicodeDecodeError:
+            raise InvalidRequest("File must be UTF-8 JSONL", param="file", code="invalid_file") from None
+        if self.lines == 0:
+            raise InvalidRequest("File is empty", param="file", code="invalid_file")
+        return self.lines
+
+
+class NewFile:
+    """A file being written: chunks go to a hidden file beside where it will live (synchronous
+    writes: call from a thread), until `FileStore.commit` publishes it or `discard` removes it."""
+
+    def __init__(self, directory: Path, owner: str, purpose: Purpose, filename: str = "input.jsonl"):
+        self.id = new_file_id()
+        self.owner, self.purpose, self.filename = owner, purpose, filename
+        self.tmp = directory / f".{self.id}.tmp"
+        self.size = 0
+        self._out = None
+
+    def write(self, data: bytes) -> None:
+        if self._out is None:
+            self.tmp.parent.mkdir(parents=True, exist_ok=True)
+            self._out = open(self.tmp, "wb")
+        self._out.write(data)
+        self.size += len(data)
+
+    def close(self) -> None:
+        if self._out is None:
+            self.write(b"")  # an empty file is still a file
+        self._out.close()
+
+    def discard(self) -> None:
+        if self._out is not None:
+            self._out.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 class FileStore:
     def __init__(self, redis: aioredis.Redis, data_dir: Path, retention_s: float):
         self.redis = redis
         self.dir = Path(data_dir) / "files"
         self.retention_s = retention_s
+        self.quota = Quota(redis)
 
     def path(self, file_id: str) -> Path:
         return self.dir / file_id
 
-    async def create(self, owner: str, filename: str, purpose: Purpose, content: bytes) -> StoredFile:
-        """Bytes first (written whole, then renamed into place), then the record that points at them."""
+    def begin(self, owner: str, purpose: Purpose, filename: str = "input.jsonl") -> NewFile:
+        return NewFile(self.dir, owner, purpose, filename)
+
+    async def commit(self, new: NewFile, upload: str | None = None) -> StoredFile:
+        """Bytes first (renamed into place), then, in one transaction, the record that points at
+        them, the indexes, and the file's entry in its owner's quota (which replaces the upload's
+        hold, if any)."""
         now = time.time()
-        record = StoredFile(id=new_file_id(), bytes=len(content), created_at=int(now),
-                            expires_at=int(now + self.retention_s), filename=filename,
-                            purpose=purpose, owner=owner)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{record.id}.tmp"
-        tmp.write_bytes(content)
-        os.replace(tmp, self.path(record.id))
+        record = StoredFile(id=new.id, bytes=new.size, created_at=int(now),
+                            expires_at=int(now + self.retention_s), filename=new.filename,
+                            purpose=new.purpose, owner=new.owner)
+        new.close()
+        os.replace(new.tmp, self.path(record.id))
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(names.file_record(record.id), record.model_dump_json())
-        pipe.zadd(names.files_of(owner), {record.id: now})
+        pipe.zadd(names.files_of(record.owner), {record.id: now})
         pipe.zadd(names.FILES_EXPIRY, {record.id: record.expires_at})
-        await pipe.execute()
+        Quota.store_file(pipe, record.owner, record.id, record.bytes, upload)
+        try:
+            await pipe.execute()
+        except BaseException:
+            self.path(record.id).unlink(missing_ok=True)
+            raise
         return record
+
+    async def create(self, owner: str, filename: str, purpose: Purpose, content: bytes) -> StoredFile:
+        """A small file from bytes in hand (tests, tools); uploads and batch results stream."""
+        new = self.begin(owner, purpose, filename)
+        new.write(content)
+        return await self.commit(new)
 
     async def find(self, file_id: str) -> StoredFile | None:
         raw = await self.redis.get(names.file_record(file_id))
@@ -107,20 +202,30 @@ class FileStore:
         return records[:limit], len(records) > limit
 
     async def delete(self, record: StoredFile) -> None:
+        """Record, indexes and quota entry in one transaction (a second delete changes nothing),
+        then the bytes."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(names.file_record(record.id))
         pipe.zrem(names.files_of(record.owner), record.id)
         pipe.zrem(names.FILES_EXPIRY, record.id)
+        Quota.drop(pipe, record.owner, file_field(record.id))
         await pipe.execute()
         self.path(record.id).unlink(missing_ok=True)
 
     async def expire(self, now: float | None = None) -> int:
-        """Delete every file past its expiry; how many went."""
-        due = await self.redis.zrangebyscore(names.FILES_EXPIRY, "-inf", now or time.time())
+        """Delete every file past its expiry, and what uploads cut short by a dead process left on
+        disk; how many files went."""
+        now = now or time.time()
+        for partial in self.dir.glob(".*.tmp") if self.dir.exists() else []:
+            with contextlib.suppress(FileNotFoundError):  # its upload may just have finished
+                if partial.stat().st_mtime < now - ABANDONED_S:
+                    partial.unlink()
+        due = await self.redis.zrangebyscore(names.FILES_EXPIRY, "-inf", now)
         for file_id in (i.decode() for i in due):
             record = await self.find(file_id)
-            if record is None:
+            if record is None:  # its record is gone already: only its index entry and bytes left
                 await self.redis.zrem(names.FILES_EXPIRY, file_id)
+                self.path(file_id).unlink(missing_ok=True)
             else:
                 await self.delete(record)
         return len(due)

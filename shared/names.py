@@ -155,3 +155,14 @@ def batches_of(key_id: str) -> str:
 
 BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # set of batch ids not yet in a final status
 BATCHES_RUNNING = f"{PREFIX}:batches:running"  # sorted set batch id -> runner lease expiry
+
+
+def stored_by(key_id: str) -> str:
+    """Hash of what one key keeps, one entry per thing, for its quotas (shared/quota.py):
+    `f:{file id}` -> bytes, `u:{upload}` -> `bytes:expiry`, `b:{batch id}` -> deadline."""
+    return f"{PREFIX}:quota:{key_id}"
+
+
+def celery_queue(queue: str) -> str:
+    """The Redis list that holds the waiting task messages of one Celery queue."""
+    return f"{CELERY_PREFIX}{queue}"

@@ -51,6 +51,14 @@ class GatewaySettings(FilesSettings):
                                 "(413 above)")
     max_file_lines: int = Field(50_000, ge=1, description="Most lines (requests) a batch input "
                                 "file may have (400 above)")
+    max_stored_bytes_per_key: int = Field(10 << 30, ge=0, le=1 << 50, description="Bytes of files "
+                                          "(uploads and batch results) a key may keep, unless its "
+                                          "max_stored_bytes says otherwise (429 above)")
+    max_files_per_key: int = Field(1000, ge=0, le=100_000, description="Files a key may keep, "
+                                   "unless its max_files says otherwise (429 above)")
+    max_batches_in_progress_per_key: int = Field(10, ge=0, le=10_000, description="Batches of a "
+                                                 "key not yet in a final status, unless its "
+                                                 "max_batches_in_progress says otherwise (429 above)")
     interactive_mark_ms: int = Field(1000, ge=0, description="Batch lines of a model run at most "
                                      "KVGATE_BATCH_CONCURRENCY_BUSY at a time until this long after "
                                      "its last interactive request (0: batches never yield)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -242,3 +243,67 @@ async def test_a_batch_yields_to_interactive_traffic_and_widens_when_it_stops(en
     # and it sends a quarter of the time (batch_busy_duty): a 0.02 s line, then a 0.06 s rest
     assert len(gaps) >= 2 and min(gaps) >= 0.07
     assert free and max(free) == 4  # full width once the mark has expired
+
+
+async def test_results_are_written_in_input_order_and_charged_to_the_owners_quota(env):
+    client, settings = env
+    owner = "key_results"
+    batch, files = await _batch(client, settings, [line(f"r{i}") for i in range(9)] + ["{bad"],
+                                owner=owner)
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        cid = orjson.loads(request.content)["messages"][0]["content"]
+        await asyncio.sleep(0.01 * (9 - int(cid[1:])))  # later lines answer first
+        return _completion(request)
+
+    _, done = await _run(client, settings, batch, gateway)
+    out = await _lines(files, done.output_file_id)
+    assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(9)]
+    assert not (Path(settings.data_dir) / "batches" / f"{batch.id}.jsonl").exists()
+    made = [await files.find(i) for i in (batch.input_file_id, done.output_file_id, done.error_file_id)]
+    usage = await files.quota.usage(owner)
+    assert (usage.bytes, usage.files, usage.batches) == (sum(f.bytes for f in made), 3, 0)
+
+
+async def test_a_record_cut_short_by_a_crash_does_not_swallow_the_next(env, tmp_path):
+    progress = runner_mod.Progress(tmp_path / "p.jsonl")
+    [first, second] = parse_lines(line("a") + "\n" + line("b"), ENDPOINT)
+    progress.append(first.number, runner_mod.result(first, status=200, body={}))
+    with open(progress.path, "ab") as f:
+        f.write(b'{"line": 2, "resu')  # the runner died mid-write
+    assert set(progress.index()) == {1}
+    progress.append(second.number, runner_mod.result(second, status=200, body={}))
+    index = progress.index()
+    assert set(index) == {1, 2}
+    with open(progress.path, "rb") as f:
+        assert runner_mod.Progress.read(f, index[2])["custom_id"] == "b"
+
+
+async def test_tend_sends_no_more_while_as_many_messages_wait(env):
+    from shared.batches import BATCH_QUEUE
+
+    client, settings = env
+    waiting, _ = await _batch(client, settings, [line("a")])
+    queue = names.celery_queue(BATCH_QUEUE)
+    idle = len(await tend_batches(client, lambda _: None))
+    assert waiting.id in await tend_batches(client, lambda _: None)
+    await client.rpush(queue, *[b"{}"] * idle)  # a stopped Celery worker: its messages pile up
+    try:
+        assert await tend_batches(client, lambda _: None) == []
+    finally:
+        await client.delete(queue)
+
+
+async def test_lines_are_read_back_as_they_are_sent_even_if_the_input_file_is_deleted(env):
+    client, settings = env
+    batch, files = await _batch(client, settings, [line(f"r{i}") for i in range(6)])
+    sent = []
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        if not sent:
+            await files.delete(await files.find(batch.input_file_id))
+        sent.append(orjson.loads(request.content)["messages"][0]["content"])
+        return _completion(request)
+
+    _, done = await _run(client, settings, batch, gateway)
+    assert done.status == "completed" and sorted(sent) == [f"r{i}" for i in range(6)]

@@ -87,3 +87,19 @@ async def test_finished_days_fold_into_one_hash_and_reports_read_it(client):
     assert await fold(client, now=now - now % 86400 + ROLLUP_GRACE_S + 1) == [utc_day(yesterday)]
     by_key = {r["key_id"]: r for r in await book.query(since, None, "key")}
     assert by_key["key_a"]["prompt_tokens"] == 103 and by_key["key_b"]["prompt_tokens"] == 9
+
+
+async def test_partial_files_of_dead_uploads_are_swept(client, tmp_path):
+    import os
+
+    from shared.files import ABANDONED_S
+
+    files = FileStore(client, tmp_path, retention_s=3600)
+    stale, fresh = files.begin("key_x", "batch"), files.begin("key_x", "batch")
+    for new in (stale, fresh):
+        new.write(b"{}\n")
+        new.close()
+    old = time.time() - ABANDONED_S - 1
+    os.utime(stale.tmp, (old, old))
+    await files.expire()
+    assert not stale.tmp.exists() and fresh.tmp.exists()
