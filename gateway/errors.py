@@ -27,9 +27,11 @@ _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
 def _param(loc: tuple) -> str | None:
-    """`messages.0.content.0.text`: the body's path, without pydantic's union-branch tags."""
-    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and (
-        "[" in p or p in _UNION_TAGS))]
+    """`messages.0.content.0.text`: the body's path (or the query parameter's name), without
+    where FastAPI found it and without pydantic's union-branch tags."""
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+        loc = loc[1:]
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
     return ".".join(parts) or None
 
 

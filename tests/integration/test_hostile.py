@@ -128,6 +128,56 @@ def test_v1_hostile_inputs_get_clear_errors(stack, name, path, body, status, par
     _assert_error(_send(stack, "POST", path, body), status, param)
 
 
+ROUTE_CASES = [
+    # (name, method, path, request kwargs, which key, status, param)
+    ("upload without a key", "POST", "/v1/files",
+     {"files": {"file": ("a.jsonl", b"{}\n")}, "data": {"purpose": "batch"}}, None, 401, "<any>"),
+    ("upload with a wrong key", "POST", "/v1/files",
+     {"files": {"file": ("a.jsonl", b"{}\n")}, "data": {"purpose": "batch"}}, "sk-kvg-wrong", 401, "<any>"),
+    ("upload for another purpose", "POST", "/v1/files",
+     {"files": {"file": ("a.jsonl", b"{}\n")}, "data": {"purpose": "assistants"}}, "user", 400, "purpose"),
+    ("upload that is not UTF-8", "POST", "/v1/files",
+     {"files": {"file": ("a.jsonl", b"\xff\xfe{}\n")}, "data": {"purpose": "batch"}}, "user", 400, "file"),
+    ("empty upload", "POST", "/v1/files",
+     {"files": {"file": ("a.jsonl", b"")}, "data": {"purpose": "batch"}}, "user", 400, "file"),
+    ("upload as JSON", "POST", "/v1/files", {"json": {"file": "x", "purpose": "batch"}}, "user", 400, "<any>"),
+    ("files page of 0", "GET", "/v1/files", {"params": {"limit": 0}}, "user", 422, "limit"),
+    ("files page beyond 64 bits", "GET", "/v1/files", {"params": {"limit": str(BIG)}}, "user", 422, "limit"),
+    ("unknown file", "GET", "/v1/files/file-nope", {}, "user", 404, "<any>"),
+    ("a path as a file id", "GET", "/v1/files/..%2F..%2Fetc%2Fpasswd/content", {}, "user", 404, "<any>"),
+    ("batch of an unknown file", "POST", "/v1/batches", {"json": {
+        "input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}},
+     "user", 404, "input_file_id"),
+    ("batch for another endpoint", "POST", "/v1/batches", {"json": {
+        "input_file_id": "file-nope", "endpoint": "/v1/embeddings", "completion_window": "24h"}},
+     "user", 422, "endpoint"),
+    ("batch with a 48h window", "POST", "/v1/batches", {"json": {
+        "input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "48h"}},
+     "user", 422, "completion_window"),
+    ("batch with 17 metadata pairs", "POST", "/v1/batches", {"json": {
+        "input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h",
+        "metadata": {f"k{i}": "v" for i in range(17)}}}, "user", 422, "metadata"),
+    ("batch with a surrogate in metadata", "POST", "/v1/batches", {"content": _raw({
+        "input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h",
+        "metadata": {"k": "S"}}, S=SURROGATE), "headers": {"Content-Type": "application/json"}},
+     "user", 422, None),
+    ("batches page of 1000", "GET", "/v1/batches", {"params": {"limit": 1000}}, "user", 422, "limit"),
+    ("cancel an unknown batch", "POST", "/v1/batches/batch_nope/cancel", {}, "user", 404, "<any>"),
+    ("admin route with a user key", "GET", "/admin/keys", {}, "user", 403, "<any>"),
+    ("admin route without a key", "GET", "/admin/keys", {}, None, 401, "<any>"),
+]
+
+
+@pytest.mark.parametrize("name, method, path, kwargs, who, status, param", ROUTE_CASES,
+                         ids=[c[0] for c in ROUTE_CASES])
+def test_hostile_requests_on_every_route_get_clear_errors(stack, name, method, path, kwargs, who,
+                                                          status, param):
+    key = {"user": stack.key, "admin": stack.admin_key}.get(who, who)
+    headers = {**kwargs.pop("headers", {}), **({"Authorization": f"Bearer {key}"} if key else {})}
+    resp = httpx.request(method, stack.url + path, headers=headers, timeout=60, **kwargs)
+    _assert_error(resp, status, param)
+
+
 def test_a_request_that_refused_costs_no_token_budget_and_the_stack_serves_after(stack):
     resp = _send(stack, "POST", "/v1/completions", _raw({**TEXT, "max_tokens": 3, "ignore_eos": True}))
     assert resp.status_code == 200, resp.text
