@@ -234,6 +234,9 @@ class WorkerService:
         except EngineRejected as exc:
             self.counters["requests_rejected"] += 1
             self._fail(stream, entry_id, entry, ckpt, exc.code, str(exc), exc.param)
+        except ValueError as exc:  # before any compute: the tokenizer or a check refused the input
+            self.counters["requests_rejected"] += 1
+            self._fail(stream, entry_id, entry, ckpt, "invalid_request", str(exc))
         except Exception as exc:  # a bug one request's content reached: it fails, the worker goes on
             log.error("request %s failed at admission (%s)", rid, type(exc).__name__, exc_info=exc,
                       extra={"request_id": rid})
