@@ -8,7 +8,9 @@ that does not validate token ids) would write them; the test listens on their re
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -25,6 +27,15 @@ def cluster(tmp_path, tiny_model_dir):
     c = Cluster(tmp_path, tiny_model_dir)
     yield c
     c.close()
+
+
+def start_all(cluster: Cluster, workers: dict[str, dict]) -> dict:
+    """The gateway and the workers start side by side (a start is mostly imports)."""
+    with ThreadPoolExecutor(len(workers) + 1) as pool:
+        gateway = pool.submit(cluster.start_gateway)
+        procs = {w: pool.submit(cluster.start_worker, w, **env) for w, env in workers.items()}
+        gateway.result()
+        return {w: f.result() for w, f in procs.items()}
 
 
 def entry(request_id: str, channel: str, **fields) -> protocol.RequestEntry:
@@ -46,12 +57,21 @@ class Replies:
         assert self.pubsub.get_message(timeout=5)["type"] == "subscribe"
         self.got: dict[str, list] = {}
 
-    def collect(self, until: float) -> None:
+    def collect(self, expect: set[str], timeout: float = 20, then: float = 1.0) -> None:
+        """Until every request in `expect` has a reply, then `then` seconds more (a second answer
+        to any of them would show)."""
+        deadline = time.monotonic() + timeout
+        while not expect <= set(self.got) and time.monotonic() < deadline:
+            self._read_once()
+        until = time.monotonic() + then
         while time.monotonic() < until:
-            message = self.pubsub.get_message(timeout=0.2)
-            if message and message["type"] == "message":
-                for reply in protocol.decode_replies(message["data"]):
-                    self.got.setdefault(reply.request_id, []).append(reply)
+            self._read_once()
+
+    def _read_once(self) -> None:
+        message = self.pubsub.get_message(timeout=0.2)
+        if message and message["type"] == "message":
+            for reply in protocol.decode_replies(message["data"]):
+                self.got.setdefault(reply.request_id, []).append(reply)
 
 
 def deliver_times(client: redis.Redis, raw: bytes, times: int) -> bytes:
@@ -83,9 +103,8 @@ def metric_sum(cluster: Cluster, workers: list[str], name: str, **labels) -> flo
 
 
 def test_three_poison_requests_among_twenty_streams_fail_alone(cluster):
-    cluster.start_gateway()
     workers = ["w1", "w2"]
-    procs = [cluster.start_worker(w, "--max-num-seqs", "16") for w in workers]
+    procs = list(start_all(cluster, {w: {} for w in workers}).values())
     n = 20
 
     async def streams():
@@ -111,9 +130,8 @@ def test_three_poison_requests_among_twenty_streams_fail_alone(cluster):
             deliver_times(cluster.client, protocol.encode(poison["delivered-3x"]), 3)
             return await asyncio.gather(*tasks)
 
-    start = time.monotonic()
     results = asyncio.run(mixed())
-    replies.collect(until=max(time.monotonic() + 1.0, start + 8))  # the claim needs a heartbeat TTL
+    replies.collect(expect=set(poison))
     print(f"\n[poison] {sum(r['finish'] == 'length' for r in results)}/{n} streams complete; "
           f"poison answers: { {k: [r.code for r in v] for k, v in replies.got.items()} }")
     for got, want in zip(results, clean):
@@ -145,9 +163,8 @@ def test_a_request_that_crashes_every_worker_is_retired_after_n_deliveries(clust
     N = 2, the request takes down two worker processes (the first reader, then the one that took it
     over from the dead one); the third taker (a restart under the first's name, which finds the entry
     pending under its own name) answers it with request_failed_repeatedly."""
-    cluster.start_gateway()
     env = {"KVGATE_FAULT_CRASH_MARKER": "CRASH-ME", "KVGATE_MAX_DELIVERIES": "2"}
-    procs = {w: cluster.start_worker(w, **env) for w in ("w1", "w2")}
+    procs = start_all(cluster, {"w1": env, "w2": env})
     deaths: list[str] = []
 
     def supervise(done) -> None:
@@ -163,8 +180,6 @@ def test_a_request_that_crashes_every_worker_is_retired_after_n_deliveries(clust
             time.sleep(0.1)
 
     async def scenario():
-        import threading
-
         done = threading.Event()
         watcher = asyncio.get_running_loop().run_in_executor(None, supervise, done)
         try:
