@@ -94,10 +94,19 @@ class WorkerSettings(CommonSettings):
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish in-flight "
                                  "requests before leaving the rest for other workers")
     worker_id: str = Field(default_factory=lambda: secrets.token_hex(6), description="Consumer name")
+    max_deliveries: int = Field(3, ge=1, description="Poison cap: an entry already delivered this "
+                                "many times (workers that took it and never finished it) is answered "
+                                "with request_failed_repeatedly and retired instead of handed on")
+    max_checkpoint_bytes: int = Field(4 << 20, ge=4096, description="Bytes of one request's "
+                                      "checkpoint log in Redis; past it the worker stops appending "
+                                      "(streaming goes on) and a takeover answers resume_failed")
     fault_error_rate: float = Field(0.0, ge=0, le=1, description="Tests only: share of requests "
                                     "answered with an engine error")
     fault_latency_ms: float = Field(0.0, ge=0, description="Tests only: delay before admitting a "
                                     "request (so before its first token)")
+    fault_crash_marker: str | None = Field(None, min_length=1, description="Tests only: a worker "
+                                           "that admits a request whose prompt contains this string "
+                                           "exits at once (os._exit), like a crash no code can catch")
     metrics_host: str = Field("127.0.0.1", description="Bind address of the worker's /metrics")
     metrics_port: int = Field(0, ge=0, description="Port of the worker's /metrics (0: any free "
                               "port; the URL is in its registry entry)")

@@ -98,9 +98,15 @@ class WorkerMetrics:
                                (*LABELS, "finished_reason"), registry=r)
         self.failed = Counter("kvgate_request_failures", "Requests answered with an error by the "
                               "worker, by error code", (*LABELS, "code"), registry=r)
+        self.poisoned = Counter("kvgate_requests_poisoned", "Entries retired by the poison cap: "
+                                "delivered KVGATE_MAX_DELIVERIES times without finishing", LABELS,
+                                registry=r)
+        self.poisoned.labels(*self.labels)
         for reason in ("stop", "length", "abort"):  # known series exist from the start
             self.success.labels(*self.labels, reason)
-        for code in ("timeout", "engine_error", "context_length_exceeded", "invalid_request"):
+        for code in ("timeout", "engine_error", "context_length_exceeded", "invalid_request",
+                     "engine_step_failed", "resume_failed", "request_failed_repeatedly",
+                     "unsupported_schema"):
             self.failed.labels(*self.labels, code)
         self.timings: dict[str, _Timing] = {}
         self.url: str | None = None
@@ -157,17 +163,21 @@ class WorkerMetrics:
         with logs.request_context(request_id):
             log.info("request finished", extra=logs_fields)
 
-    def rejected(self, entry: protocol.RequestEntry, code: str) -> None:
-        """Answered with an error before (or instead of) running."""
-        self.timings.pop(entry.request_id, None)
+    def rejected(self, request_id: str, code: str, trace: dict[str, str] | None = None) -> None:
+        """Answered with an error, before running or instead of finishing (`trace`: the context its
+        entry carried, when the entry could be read)."""
+        t = self.timings.pop(request_id, None)
         self.failed.labels(*self.labels, code).inc()
+        if code == "request_failed_repeatedly":
+            self.poisoned.labels(*self.labels).inc()
         if telemetry.enabled():
             now = time.time()
-            telemetry.span_between("worker", telemetry.extract(entry.trace), now, now,
-                                   {"kvgate.request_id": entry.request_id, "kvgate.error": code},
+            parent = t.parent if t is not None else telemetry.extract(trace or {})
+            telemetry.span_between("worker", parent, t.admitted if t else now, now,
+                                   {"kvgate.request_id": request_id, "kvgate.error": code},
                                    kind=SpanKind.CONSUMER, error=code)
-        with logs.request_context(entry.request_id):
-            log.info("request refused by the worker", extra={"code": code})
+        with logs.request_context(request_id):
+            log.info("request ended with an error by the worker", extra={"code": code})
 
     def _spans(self, request_id: str, t: _Timing, end: float, reason: str) -> None:
         """queue wait (gateway enqueue → admission), then the worker's span with prefill (admission

@@ -25,18 +25,22 @@ TTL_REFRESH = 32  # replies between refreshes of a log's TTL (first at reply 1: 
 
 
 class Outbox:
-    def __init__(self, client: redis.Redis, stream: str, consumer: str):
+    def __init__(self, client: redis.Redis, stream: str, consumer: str,
+                 max_log_bytes: int = 4 << 20):
         self.client = client
+        self.logs = checkpoint.LogCap(max_log_bytes)  # what each request's log may still take
         self.stream = stream
         self.consumer = consumer  # this worker's name in the streams' consumer group
         self.outgoing: dict[str, list[bytes]] = {}  # reply channel -> this step's encoded replies
         self.ops: list[tuple] = []  # after the PUBLISHes: logs, TTLs, acks
 
-    def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply) -> None:
-        raw = protocol.encode(msg)
+    def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply,
+              version: int | None = None) -> None:
+        """`version`: the schema of the request's entry, so a gateway of that version reads it."""
+        raw = protocol.encode(msg, version)
         key = names.checkpoint_key(msg.request_id)
         self.outgoing.setdefault(channel, []).append(raw)
-        self.ops.append(("rpush", key, raw))
+        self.ops += [("rpush", key, line) for line in self.logs.lines(msg, raw, version)]
         if msg.seq % TTL_REFRESH == 1:
             self.ops.append(("expire", key, checkpoint.TTL_S))
 
@@ -44,6 +48,7 @@ class Outbox:
         """The request is over: the entry leaves the stream, its log stays briefly for gap repair."""
         self.ack(entry_id, stream)
         self.ops.append(("expire", names.checkpoint_key(request_id), checkpoint.DONE_TTL_S))
+        self.logs.forget(request_id)
 
     def ack(self, entry_id: bytes, stream: str | None = None) -> None:
         """`stream`: the entry's own (a worker reads two lanes); None: the one it was made with."""

@@ -1,6 +1,11 @@
 """The worker service: pulls request entries from its Redis stream (and orphans of dead workers),
 runs them on an engine, and publishes every delta to the entry's reply channel, with a checkpoint
 log that lets another worker resume the request. The engine knows nothing of Redis; this does.
+
+A request that fails, fails alone: whatever one entry carries (an undecodable body, a schema version
+this worker does not read, an out-of-range number, a template that raises, a crash in its sampling)
+ends that request with an error reply on its channel, in its entry's schema version, and the worker
+goes on. An entry that workers keep taking and never finishing is retired by the poison cap.
 """
 from __future__ import annotations
 
@@ -12,11 +17,12 @@ from dataclasses import dataclass, field
 
 import orjson
 import redis
+from pydantic import ValidationError
 
-from shared import names, protocol
+from shared import errors, names, protocol
 from shared.settings import WorkerSettings
 from worker import checkpoint
-from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams
+from worker.engine.types import EngineRejected, RequestError, RequestOutput, Resume, SamplingParams
 from worker.faults import Faults
 from worker.metrics import WorkerMetrics
 from worker.replies import Outbox
@@ -24,6 +30,7 @@ from worker.takeover import claim_orphans
 
 log = logging.getLogger("kvgate.worker")
 REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
+RETRYABLE = {errors.EngineStepFailed.code, errors.ResumeFailed.code}  # sent again, may succeed
 
 
 @dataclass
@@ -38,16 +45,17 @@ class Active:
     completion_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     stream: str | None = None  # the stream the entry came from; None: the interactive lane
+    version: int = protocol.SCHEMA_VERSION  # the entry's schema: its replies are written in it
 
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
 
 
-def _entries(reply) -> list[tuple[str, bytes, bytes, bool]]:
-    """(stream, entry id, raw entry, claimed=False) of an XREADGROUP reply."""
+def _entries(reply) -> list[tuple[str, bytes, bytes, int]]:
+    """(stream, entry id, raw entry, times delivered before=0: not claimed) of an XREADGROUP reply."""
     return [(name.decode() if isinstance(name, bytes) else name, entry_id,
-             fields.get(protocol.ENTRY_FIELD, b""), False)
+             fields.get(protocol.ENTRY_FIELD, b""), 0)
             for name, entries in reply or [] for entry_id, fields in entries]
 
 
@@ -75,17 +83,19 @@ class WorkerService:
         self.stream = names.request_stream(settings.served_name, settings.version)
         self.batch_stream = names.request_stream(settings.served_name, settings.version,
                                                  names.BATCH_LANE)
-        self.outbox = Outbox(self.redis, self.stream, settings.worker_id)
+        self.outbox = Outbox(self.redis, self.stream, settings.worker_id, settings.max_checkpoint_bytes)
         self.active: dict[str, Active] = {}
-        self.backlog: list[tuple[str, bytes, bytes, bool]] = []  # read, not yet admitted (Redis blip)
+        self.backlog: list[tuple[str, bytes, bytes, int]] = []  # read, not yet admitted (Redis blip)
         self.cancels: queue.SimpleQueue[str] = queue.SimpleQueue()
         self.stopping = threading.Event()
         self.drain_deadline: float | None = None
         self.last_claim = 0.0
         self.interactive_drained = True  # the last read of the interactive lane left nothing
-        self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms)
+        self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms,
+                             settings.fault_crash_marker)
         self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
-                         "requests_rejected": 0, "requests_resumed": 0}
+                         "requests_rejected": 0, "requests_resumed": 0, "requests_failed": 0,
+                         "requests_poisoned": 0}
         self.metrics = WorkerMetrics(settings.served_name, settings.version, settings.worker_id,
                                      engine.stats)
 
@@ -174,16 +184,16 @@ class WorkerService:
             for stream in (self.stream, self.batch_stream):
                 orphans = claim_orphans(self.redis, stream, self.s.worker_id,
                                         int(self.s.heartbeat_ttl_s * 1000), room - len(todo), known)
-                todo += [(stream, entry_id, raw, True) for entry_id, raw in orphans]
+                todo += [(stream, o.entry_id, o.raw, o.times_delivered) for o in orphans]
         if not todo and room and not self.engine.has_unfinished():
             # idle: wait for either lane; one entry from each at most, the surplus waits its turn
             read = _entries(self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
                                                   {self.stream: ">", self.batch_stream: ">"}, count=1,
                                                   block=100))
             todo, self.backlog = read[:room], read[room:] + self.backlog
-        for i, (stream, entry_id, raw, claimed) in enumerate(todo):
+        for i, (stream, entry_id, raw, delivered) in enumerate(todo):
             try:
-                self._admit(stream, entry_id, raw, claimed)
+                self._admit(stream, entry_id, raw, delivered)
             except REDIS_DOWN:
                 self.backlog = todo[i:] + self.backlog
                 raise
@@ -197,52 +207,112 @@ class WorkerService:
             return []
         return [(self.stream, room)] + ([(self.batch_stream, room)] if self.interactive_drained else [])
 
-    def _admit(self, stream: str, entry_id: bytes, raw: bytes, claimed: bool) -> None:
-        try:
-            entry = protocol.decode_entry(raw)
-        except (protocol.ProtocolError, ValueError) as exc:
-            log.warning("dropping malformed entry %s: %s", entry_id, exc)
-            self.outbox.ack(entry_id, stream)
+    def _admit(self, stream: str, entry_id: bytes, raw: bytes, delivered: int) -> None:
+        """Start one entry in the engine, or answer it with an error: nothing the entry carries may
+        raise out of here (a Redis error may; the entry then waits in the backlog). `delivered`:
+        how many times workers were handed it before this one claimed it (0: read fresh)."""
+        entry = self._decode(stream, entry_id, raw, delivered)
+        if entry is None:
             return
         rid = entry.request_id
         if self.redis.exists(names.cancelled_key(rid)):
             self.outbox.ack(entry_id, stream)
             self.counters["requests_aborted"] += 1
             return
-        ckpt = checkpoint.load(self.redis, rid) if claimed else checkpoint.Checkpoint()
+        ckpt = checkpoint.load(self.redis, rid) if delivered else checkpoint.Checkpoint()
         if ckpt.done:  # its worker died after the last reply: nothing left to do
             self.outbox.finish(entry_id, rid, stream)
             return
-        if time.time() > entry.deadline:
-            self._fail(stream, entry_id, entry, ckpt, "timeout",
-                       "request deadline passed before a worker started it")
-            return
-        if self.faults.should_fail():
-            self._fail(stream, entry_id, entry, ckpt, "engine_error", "injected fault (--fault-error-rate)")
+        if refusal := self._refusal(entry, ckpt, delivered):
+            self._fail(stream, entry_id, entry, ckpt, *refusal)
             return
         self.faults.delay()
         try:
-            prompt_ids = self._prompt_ids(entry)
-            params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
-            resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
-            self.engine.add_request(rid, prompt_ids, params, resume)
+            self._start(stream, entry_id, entry, ckpt, delivered)
+        except redis.RedisError:
+            raise
         except EngineRejected as exc:
             self.counters["requests_rejected"] += 1
-            self._fail(stream, entry_id, entry, ckpt, "context_length_exceeded", str(exc))
-            return
-        except ValueError as exc:
+            self._fail(stream, entry_id, entry, ckpt, exc.code, str(exc), exc.param)
+        except ValueError as exc:  # before any compute: the tokenizer or a check refused the input
             self.counters["requests_rejected"] += 1
             self._fail(stream, entry_id, entry, ckpt, "invalid_request", str(exc))
-            return
+        except Exception as exc:  # a bug one request's content reached: it fails, the worker goes on
+            log.error("request %s failed at admission (%s)", rid, type(exc).__name__, exc_info=exc,
+                      extra={"request_id": rid})
+            if rid not in self.active:  # (a duplicate id would be the live request's)
+                self.engine.abort(rid)
+            self._fail(stream, entry_id, entry, ckpt, errors.EngineFailure.code,
+                       f"the worker failed to start this request ({type(exc).__name__})")
+
+    def _refusal(self, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
+                 delivered: int) -> tuple[str, str] | None:
+        """(code, message) when the entry must be answered instead of run."""
+        if delivered >= self.s.max_deliveries:
+            self.counters["requests_poisoned"] += 1
+            log.warning("request %s retired by the poison cap after %d deliveries", entry.request_id,
+                        delivered, extra={"request_id": entry.request_id})
+            return (errors.RequestFailedRepeatedly.code,
+                    f"this request was handed to workers {delivered} times and never finished (each "
+                    f"worker that took it stopped); it is not retried again (the cap is "
+                    f"KVGATE_MAX_DELIVERIES={self.s.max_deliveries})")
+        if not ckpt.resumable:
+            why = "its checkpoint log was truncated at its size cap" if ckpt.truncated else \
+                f"{ckpt.unreadable} lines of its checkpoint log are unreadable here"
+            return (errors.ResumeFailed.code, f"this request's worker stopped and it cannot be resumed "
+                    f"elsewhere: {why}; sending it again may succeed")
+        if time.time() > entry.deadline:
+            return "timeout", "request deadline passed before a worker started it"
+        if self.faults.should_fail():
+            return "engine_error", "injected fault (--fault-error-rate)"
+        return None
+
+    def _start(self, stream: str, entry_id: bytes, entry: protocol.RequestEntry,
+               ckpt: checkpoint.Checkpoint, delivered: int) -> None:
+        rid = entry.request_id
+        prompt_ids = self._prompt_ids(entry)
+        self.faults.crash_if_marked(entry.prompt, entry.messages)
+        params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
+        resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
+        self.engine.add_request(rid, prompt_ids, params, resume)
+        self.outbox.logs.start(rid, ckpt.size)
         self.metrics.admitted(entry, len(prompt_ids))
         self.active[rid] = Active(entry_id, entry.reply_channel, entry.params.n, len(prompt_ids),
                                   seq=ckpt.last_seq, finished=set(ckpt.finished),
                                   completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
-                                  stream=stream)
+                                  stream=stream, version=entry.v)
         self.counters["requests_admitted"] += 1
-        if claimed:
+        if delivered:
             self.counters["requests_resumed"] += 1
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
+
+    def _decode(self, stream: str, entry_id: bytes, raw: bytes,
+                delivered: int) -> protocol.RequestEntry | None:
+        """The entry, or None once an entry that does not decode is answered (when it names whom
+        to answer) and acknowledged: never dropped in silence, never left pending."""
+        try:
+            return protocol.decode_entry(raw)
+        except Exception as exc:  # bad JSON, a schema version we do not read, invalid fields
+            problem = exc
+        to = protocol.addressee(raw)
+        if to is None or to[1] is None:
+            log.warning("dropping an entry that names no reply channel %s: %s", entry_id, _why(problem))
+            self.outbox.ack(entry_id, stream)
+            return None
+        rid, channel = to
+        version = _schema_of(raw)
+        if type(version) is int and protocol.OLDEST_SCHEMA <= version <= protocol.SCHEMA_VERSION:
+            code, message = "invalid_request", f"the worker could not read this request: {_why(problem)}"
+        else:  # answered in our own version: a newer gateway reads the version before the rest
+            code = errors.UnsupportedSchema.code
+            message = (f"the request is in schema version {version!r}; this worker reads versions "
+                       f"{protocol.OLDEST_SCHEMA}..{protocol.SCHEMA_VERSION}")
+            version = protocol.SCHEMA_VERSION
+        seq = checkpoint.load(self.redis, rid).last_seq + 1 if delivered else 1
+        self._answer(channel, rid, seq, version, code, message)
+        self.outbox.finish(entry_id, rid, stream)
+        self.metrics.rejected(rid, code)
+        return None
 
     def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
         from worker.engine.tokenizer import encode_prompt, render_chat
@@ -254,35 +324,71 @@ class WorkerService:
         return encode_prompt(self.tokenizer, entry.prompt or "")
 
     def _fail(self, stream: str, entry_id: bytes, entry: protocol.RequestEntry,
-              ckpt: checkpoint.Checkpoint, code: str, message: str) -> None:
-        err = protocol.ErrorReply(request_id=entry.request_id, seq=ckpt.last_seq + 1, code=code,
-                                  message=message)
-        self.outbox.reply(entry.reply_channel, err)
+              ckpt: checkpoint.Checkpoint, code: str, message: str, param: str | None = None) -> None:
+        """Answer an entry that never ran here with an error, and retire it."""
+        self._answer(entry.reply_channel, entry.request_id, ckpt.last_seq + 1, entry.v, code, message,
+                     param)
         self.outbox.finish(entry_id, entry.request_id, stream)
-        self.metrics.rejected(entry, code)
+        self.metrics.rejected(entry.request_id, code, entry.trace)
+
+    def _answer(self, channel: str, rid: str, seq: int, version: int, code: str, message: str,
+                param: str | None = None) -> None:
+        err = protocol.ErrorReply(request_id=rid, seq=seq, code=code, message=message, param=param,
+                                  retryable=code in RETRYABLE)
+        self.outbox.reply(channel, err, version)
 
     # -- replies ---------------------------------------------------------------------------
     def _collect(self, outputs: list[RequestOutput]) -> None:
+        """Each output on its own: one that raises ends its request, never the loop."""
         for out in outputs:
-            act = self.active.get(out.request_id)
-            if act is None:  # aborted meanwhile
-                continue
-            act.completion_tokens[out.index] = out.num_output_tokens
-            self.metrics.output(out)
-            self.outbox.reply(act.reply_channel, protocol.Delta(
-                request_id=out.request_id, seq=act.next_seq(), index=out.index, text=out.text,
-                token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
-                finish_reason=out.finish_reason if out.finished else None))
-            if out.finished:
-                act.finished.add(out.index)
-                if len(act.finished) == act.n:
-                    self._done(out.request_id)
+            try:
+                self._collect_one(out)
+            except redis.RedisError:
+                raise
+            except Exception as exc:
+                log.error("request %s failed while its output was sent (%s)", out.request_id,
+                          type(exc).__name__, exc_info=exc, extra={"request_id": out.request_id})
+                self._end_with_error(out.request_id, RequestError(
+                    errors.EngineFailure.code, f"the worker failed on this request's output "
+                    f"({type(exc).__name__}); it was ended alone"))
+
+    def _collect_one(self, out: RequestOutput) -> None:
+        act = self.active.get(out.request_id)
+        if act is None:  # aborted meanwhile
+            return
+        if out.error is not None:
+            self._end_with_error(out.request_id, out.error)
+            return
+        act.completion_tokens[out.index] = out.num_output_tokens
+        self.metrics.output(out)
+        self.outbox.reply(act.reply_channel, protocol.Delta(
+            request_id=out.request_id, seq=act.next_seq(), index=out.index, text=out.text,
+            token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+            finish_reason=out.finish_reason if out.finished else None), act.version)
+        if out.finished:
+            act.finished.add(out.index)
+            if len(act.finished) == act.n:
+                self._done(out.request_id)
+
+    def _end_with_error(self, rid: str, error: RequestError) -> None:
+        """An admitted request failed: the engine lets it go, its client gets the error."""
+        act = self.active.pop(rid, None)
+        if act is None:
+            return
+        try:
+            self.engine.abort(rid)  # its other choices, when the failure was not the engine's own
+        except Exception as exc:
+            log.error("abort of failed request %s raised (%s)", rid, type(exc).__name__, exc_info=exc)
+        self._answer(act.reply_channel, rid, act.next_seq(), act.version, error.code, error.message)
+        self.outbox.finish(act.entry_id, rid, act.stream)
+        self.counters["requests_failed"] += 1
+        self.metrics.rejected(rid, error.code)
 
     def _done(self, rid: str) -> None:
         act = self.active.pop(rid)
         self.outbox.reply(act.reply_channel, protocol.Done(
             request_id=rid, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
-            completion_tokens=sum(act.completion_tokens.values())))
+            completion_tokens=sum(act.completion_tokens.values())), act.version)
         self.outbox.finish(act.entry_id, rid, act.stream)
         self.counters["requests_finished"] += 1
         self.metrics.finished(rid)
@@ -327,7 +433,10 @@ class WorkerService:
     def _info(self) -> dict:
         return {"worker_id": self.s.worker_id, "served_name": self.s.served_name,
                 "version": self.s.version, "engine": self.s.engine, "stream": self.stream,
-                "max_model_len": self.engine.max_model_len, "draining": self.drain_deadline is not None,
+                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "eos_token_ids": sorted(self.engine.eos_token_ids),
+                "bos_token_id": self.engine.bos_token_id, "schema": protocol.SCHEMA_VERSION,
+                "draining": self.drain_deadline is not None,
                 "active": len(self.active), "stats": self.engine.stats(), **self.counters,
                 "metrics_url": self.metrics.url, "ts": time.time()}
 
@@ -362,3 +471,20 @@ class WorkerService:
             pipe.execute()
         except redis.RedisError:
             pass
+
+
+def _schema_of(raw: bytes):
+    """The `v` an entry carries, whatever JSON value it is (None: none, or not JSON)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data.get("v") if isinstance(data, dict) else None
+
+
+def _why(exc: Exception) -> str:
+    """A short reason: pydantic's own text spans many lines and repeats the input."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}"
+                         for e in exc.errors()[:3])
+    return str(exc)

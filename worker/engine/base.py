@@ -1,15 +1,30 @@
 """What every engine (paged, the naive `hf` baseline, the synthetic one) says about its model,
-and the admission check they share, so all three reject the same requests with the same words."""
+the admission check they share, so all three reject the same requests with the same words, and the
+errors they end a failed request with.
+
+The check is defence in depth: the gateway validates first, but an older gateway, a batch line or a
+takeover may hand the worker anything, and one out-of-range number must end its own request, not
+the engine (an id past the embedding raises inside the batched forward pass, and on a GPU it is a
+device-side assert that takes the whole process's CUDA context with it).
+"""
 from __future__ import annotations
 
-from worker.engine.types import EngineRejected, SamplingParams
+import logging
+import math
+
+from worker.engine.types import EngineRejected, RequestError, Resume, SamplingParams
+
+log = logging.getLogger("kvgate.worker")
+
+MAX_N = 16  # choices per request: each is a sequence with its own KV
 
 
 class ModelFacts:
-    def __init__(self, tokenizer, eos_token_ids, max_model_len: int):
+    def __init__(self, tokenizer, eos_token_ids, max_model_len: int, vocab_size: int):
         self._tokenizer = tokenizer
         self._eos_token_ids = set(eos_token_ids)
         self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
 
     @property
     def tokenizer(self):
@@ -20,16 +35,90 @@ class ModelFacts:
         return self._eos_token_ids
 
     @property
+    def bos_token_id(self) -> int | None:
+        return getattr(self._tokenizer, "bos_token_id", None)
+
+    @property
     def max_model_len(self) -> int:
         return self._max_model_len
 
-    def check_context(self, prompt_ids: list[int], params: SamplingParams) -> int:
-        """Reject what could never run, naming the numbers; return prompt + max_tokens."""
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding: the token ids the model accepts are [0, vocab_size)."""
+        return self._vocab_size
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams,
+                      resume: Resume | None = None) -> int:
+        """Reject what could never run or could crash the engine, naming the number and its limit;
+        return prompt + max_tokens."""
+        self._check_ids("prompt token id", prompt_ids, "prompt")
+        self._check_ids("stop_token_ids value", params.stop_token_ids, "stop_token_ids")
+        for index, ids in (resume.output_ids.items() if resume else ()):
+            self._check_ids(f"token id resumed for choice {index}", ids, None, code="resume_failed")
+        _check_numbers(params, self._vocab_size)
+        return self._check_context(prompt_ids, params)
+
+    def _check_ids(self, what: str, ids: list[int], param: str | None,
+                   code: str = "invalid_request") -> None:
+        for position, token in enumerate(ids):
+            if not 0 <= token < self._vocab_size:
+                raise EngineRejected(f"{what} {token} at position {position} is outside this model's "
+                                     f"vocabulary [0, {self._vocab_size})", code, param)
+
+    def _check_context(self, prompt_ids: list[int], params: SamplingParams) -> int:
         if not prompt_ids:
-            raise EngineRejected("the prompt has 0 tokens; at least 1 is needed")
+            raise EngineRejected("the prompt has 0 tokens; at least 1 is needed", "invalid_request", "prompt")
         total = len(prompt_ids) + params.max_tokens
         if total > self._max_model_len:
             raise EngineRejected(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds max_model_len of {self._max_model_len} tokens")
         return total
+
+
+def _check_numbers(p: SamplingParams, vocab_size: int) -> None:
+    """Each bound is one the sampler or scheduler needs (a NaN or a negative k would raise or sample
+    garbage), not a policy: the gateway's schema sets the policy bounds."""
+    def refuse(param: str, rule: str, value) -> None:
+        raise EngineRejected(f"{param} must be {rule}; got {value!r}", "invalid_request", param)
+
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        if not math.isfinite(getattr(p, name)):
+            refuse(name, "a finite number", getattr(p, name))
+    if p.max_tokens < 1:
+        refuse("max_tokens", "at least 1", p.max_tokens)
+    if not 0 <= p.min_tokens <= p.max_tokens:
+        refuse("min_tokens", f"between 0 and max_tokens ({p.max_tokens})", p.min_tokens)
+    if not 1 <= p.n <= MAX_N:
+        refuse("n", f"between 1 and {MAX_N}", p.n)
+    if p.logprobs is not None and not 0 <= p.logprobs <= vocab_size:
+        refuse("logprobs", f"between 0 and the vocabulary size ({vocab_size})", p.logprobs)
+    if p.top_k < -1:
+        refuse("top_k", "-1 or 0 (off) or a positive number of tokens", p.top_k)
+    if p.temperature < 0:
+        refuse("temperature", "0 or more", p.temperature)
+    if not 0 < p.top_p <= 1:
+        refuse("top_p", "in (0, 1]", p.top_p)
+    if not 0 <= p.min_p <= 1:
+        refuse("min_p", "in [0, 1]", p.min_p)
+    if p.repetition_penalty <= 0:
+        refuse("repetition_penalty", "greater than 0", p.repetition_penalty)
+
+
+def request_error(request_id: str, exc: Exception) -> RequestError:
+    """One request failed for an unknown reason: logged with its id (never its text), answered as a
+    500, and only it ends."""
+    log.error("request %s failed in the engine (%s); it ends alone", request_id, type(exc).__name__,
+              exc_info=exc, extra={"request_id": request_id})
+    return RequestError("engine_error", f"the engine failed on this request ({type(exc).__name__}); "
+                        "it was ended alone")
+
+
+def step_error(exc: Exception, num_requests: int) -> RequestError:
+    """A forward pass failed: no one request can be blamed, so each of the step's ends with this
+    retryable error (sent again, it will most likely run in a step that works)."""
+    log.error("an engine step with %d requests failed (%s); they end with a retryable error",
+              num_requests, type(exc).__name__, exc_info=exc)
+    return RequestError("engine_step_failed", f"the engine step running this request failed "
+                        f"({type(exc).__name__}); sending it again may succeed", retryable=True)

@@ -116,6 +116,16 @@ class BlockPool:
         seq.block_table = []
         seq.num_registered_blocks = 0
 
+    def forget_cached(self) -> None:
+        """Drop every prefix-cache entry (after a step that failed midway may have left a registered
+        block's KV half-written). Blocks in use stay with their sequences, just no longer shared;
+        free ones lose their hash and go to the free queue's head, like any block with none."""
+        for block_id in self.cached.values():
+            self.blocks[block_id].block_hash = None
+            if block_id in self.free_queue:
+                self.free_queue.move_to_end(block_id, last=False)
+        self.cached.clear()
+
     def _register(self, seq: Sequence, num_full_blocks: int) -> None:
         """Offer blocks that will be full after this step to the cache (their KV is written this step,
         before any attention reads it, so a sequence scheduled in the same step may already hit them)."""

@@ -2,12 +2,16 @@
 
 A request becomes n sequences (one per choice) that share the prompt's KV blocks through the
 prefix cache; each step schedules, runs one forward pass, and turns sampled tokens into outputs.
+A failure stays with its request: whatever raises for one sequence (sampling, stop check,
+detokenizing) ends that request alone with an error output; a forward pass that raises cannot be
+blamed on one request, so every request in that step ends with a retryable error and the rest of
+the engine goes on.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from worker.engine.base import ModelFacts
+from worker.engine.base import ModelFacts, request_error, step_error
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -16,7 +20,8 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import check_finish, release_text
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import EngineRejected, RequestOutput, Resume, SamplingParams, TokenLogprob
+from worker.engine.types import (EngineRejected, RequestError, RequestOutput, Resume, SamplingParams,
+                                 TokenLogprob)
 from worker.models.loader import read_model_config
 
 
@@ -26,7 +31,8 @@ class LLMEngine(ModelFacts):
         self.model_config = read_model_config(config.model_dir)
         tokenizer = load_tokenizer(config.model_dir)
         super().__init__(tokenizer, eos_token_ids(config.model_dir, tokenizer),
-                         config.max_model_len or self.model_config.max_position_embeddings)
+                         config.max_model_len or self.model_config.max_position_embeddings,
+                         self.model_config.vocab_size)
         self.runner = ModelRunner(config, self.model_config, self._eos_token_ids, self.max_model_len)
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
@@ -39,7 +45,9 @@ class LLMEngine(ModelFacts):
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     resume: Resume | None = None) -> None:
-        self._check_admission(prompt_ids, params)
+        """All or nothing: the sequences are built (and a resumed one's tokens replayed) before any
+        enters the scheduler, so a request that raises here leaves no trace in the engine."""
+        self._check_admission(prompt_ids, params, resume)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         resume = resume or Resume()
@@ -51,12 +59,14 @@ class LLMEngine(ModelFacts):
             for token in resume.output_ids.get(seq.index, []):  # one at a time, as first released
                 seq.append_token(token)
                 seq.detokenizer.add([token])
+        for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
 
-    def _check_admission(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Reject what could never run, rather than let it wait forever."""
-        total = self.check_context(prompt_ids, params)
+    def _check_admission(self, prompt_ids: list[int], params: SamplingParams,
+                         resume: Resume | None) -> None:
+        """Reject what could never run, rather than let it wait forever (or crash a step)."""
+        total = self.check_request(prompt_ids, params, resume)
         blocks = self.pool.blocks_for(total)
         if blocks > self.pool.num_blocks:
             raise EngineRejected(
@@ -93,11 +103,44 @@ class LLMEngine(ModelFacts):
         batch = self.scheduler.schedule()
         if not batch:
             return outputs
-        sampled = self.runner.run(batch)
+        try:
+            sampled = self.runner.run(batch)
+        except Exception as exc:  # the batched forward pass: no one request to blame
+            return outputs + self._fail_step(batch, exc)
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
-        outputs += [self._on_token(seq, token, logprob) for seq, token, logprob in sampled]
+        for seq, token, logprob in sampled:
+            if seq.is_finished:  # its request failed earlier in this loop
+                continue
+            try:
+                if isinstance(token, Exception):
+                    raise token  # the sampler raised on this row alone
+                outputs.append(self._on_token(seq, token, logprob))
+            except Exception as exc:
+                outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
         return outputs
+
+    def _fail_step(self, batch, exc: Exception) -> list[RequestOutput]:
+        """End every request of the failed step with a retryable error and free its blocks. The
+        step may have written some KV and not the rest, so the prefix cache forgets every hash
+        rather than serve a block the step left half-written."""
+        failed: dict[str, Sequence] = {}
+        for seq, _ in batch:
+            failed.setdefault(seq.request_id, seq)
+        error = step_error(exc, len(failed))
+        outputs = [self._fail_request(seq, error) for seq in failed.values()]
+        self.pool.forget_cached()
+        return outputs
+
+    def _fail_request(self, seq: Sequence, error: RequestError) -> RequestOutput:
+        """End all of `seq`'s request (every choice) with one error output; its blocks are free."""
+        for other in self.requests.pop(seq.request_id, [seq]):
+            if not other.is_finished:
+                self.scheduler.finish(other, "error")
+        seq.finish_reason = "error"
+        out = self._output(seq, [], "", None)
+        out.error = error
+        return out
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
@@ -117,3 +160,4 @@ class LLMEngine(ModelFacts):
             logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_ids),
         )
+

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.base import ModelFacts
+from worker.engine.base import ModelFacts, request_error, step_error
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.stopping import check_finish, release_text
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import RequestOutput, Resume, SamplingParams, TokenLogprob
+from worker.engine.types import RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
 
 
 @dataclass
@@ -35,7 +35,7 @@ class _Choice:
 class HFEngine(ModelFacts):
     def __init__(self, model, tokenizer, eos_ids: set[int], max_model_len: int):
         self.model = model.eval()
-        super().__init__(tokenizer, eos_ids, max_model_len)
+        super().__init__(tokenizer, eos_ids, max_model_len, model.config.vocab_size)
         self.sampler = Sampler(self._eos_token_ids)
         self.waiting: deque[_Choice] = deque()
         self.current: _Choice | None = None
@@ -63,7 +63,7 @@ class HFEngine(ModelFacts):
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     resume: Resume | None = None) -> None:
-        self.check_context(prompt_ids, params)
+        self.check_request(prompt_ids, params, resume)
         resume = resume or Resume()
         for index in range(params.n):
             if index not in resume.finished:
@@ -92,10 +92,15 @@ class HFEngine(ModelFacts):
         }
 
     def step(self) -> list[RequestOutput]:
-        """One forward pass for the current choice (its prompt first, then one token at a time)."""
+        """One forward pass for the current choice (its prompt first, then one token at a time).
+        A failure ends the current choice's request alone; the next step starts the next one."""
         outputs, self._aborted = self._aborted, []
         if self.current is None and self.waiting:
-            self.current = self._start(self.waiting.popleft())
+            choice = self.waiting.popleft()
+            try:
+                self.current = self._start(choice)
+            except Exception as exc:
+                return outputs + [self._fail(choice, request_error(choice.request_id, exc))]
         if self.current is not None:
             outputs.append(self._advance(self.current))
         return outputs
@@ -113,7 +118,16 @@ class HFEngine(ModelFacts):
         return choice
 
     def _advance(self, choice: _Choice) -> RequestOutput:
-        logits = self._forward(choice)
+        try:
+            logits = self._forward(choice)
+        except Exception as exc:  # the forward pass, as in the paged engine: retryable
+            return self._fail(choice, step_error(exc, 1))
+        try:
+            return self._on_logits(choice, logits)
+        except Exception as exc:
+            return self._fail(choice, request_error(choice.request_id, exc))
+
+    def _on_logits(self, choice: _Choice, logits: torch.Tensor) -> RequestOutput:
         row = SampleRow(choice.params, choice.prompt_ids, choice.output_ids, choice.index)
         (token,), (logprob,) = self.sampler(logits, [row])
         choice.output_ids.append(token)
@@ -122,6 +136,15 @@ class HFEngine(ModelFacts):
         if reason is not None:
             self.current = None
         return self._output(choice, [token], text, reason, logprob)
+
+    def _fail(self, choice: _Choice, error: RequestError) -> RequestOutput:
+        """End `choice`'s whole request (its waiting choices too) with one error output."""
+        self.waiting = deque(c for c in self.waiting if c.request_id != choice.request_id)
+        if self.current is not None and self.current.request_id == choice.request_id:
+            self.current = None  # its cache goes with it
+        out = self._output(choice, [], "", "error", None)
+        out.error = error
+        return out
 
     @torch.inference_mode()
     def _forward(self, choice: _Choice) -> torch.Tensor:

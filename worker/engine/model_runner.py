@@ -119,8 +119,9 @@ class ModelRunner:
         return max(int(budget) // self._block_bytes(cfg), 0)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprob | None]]:
-        """Forward the batch; sample one token for each sequence whose chunk reached its end."""
+    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int | Exception, TokenLogprob | None]]:
+        """Forward the batch; sample one token for each sequence whose chunk reached its end (or
+        the exception sampling raised for that sequence alone)."""
         inputs = self._prepare(batch)
         if self._takes_decode_graph(inputs):
             logits = self._graph_logits(inputs)
@@ -131,7 +132,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.sample_tokens])
         seqs = [batch[r][0] for r in inputs.sample_rows]
         rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.index) for s in seqs]
-        tokens, logprobs = self.sampler(logits, rows)
+        tokens, logprobs = self.sampler.sample(logits, rows)
         return list(zip(seqs, tokens, logprobs))
 
     def _takes_decode_graph(self, inputs: BatchInputs) -> bool:

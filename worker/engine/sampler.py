@@ -54,6 +54,27 @@ class Sampler:
         token_ids = tokens.tolist()
         return token_ids, _logprobs(raw_logprobs, token_ids, rows)
 
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[list[int | Exception], list[TokenLogprob | None]]:
+        """The batch at once; if that raises, row by row: the batched call cannot say whose row
+        raised, and one request's bad value must not cost the others their token. A row that raises
+        alone gets the exception in place of its token; the others keep theirs (greedy and seeded
+        rows draw the same token either way, unseeded ones a fresh draw from the same distribution)."""
+        try:
+            return self(logits, rows)
+        except Exception:
+            tokens: list[int | Exception] = []
+            logprobs: list[TokenLogprob | None] = []
+            for r, row in enumerate(rows):
+                try:
+                    (token,), (logprob,) = self(logits[r:r + 1], [row])
+                except Exception as exc:
+                    token, logprob = exc, None
+                tokens.append(token)
+                logprobs.append(logprob)
+            return tokens, logprobs
+
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor | None:
         """Computed before any processing, and only when some row asked."""

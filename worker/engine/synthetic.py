@@ -26,8 +26,9 @@ class _Choice:
 
 
 class SyntheticEngine(ModelFacts):
-    def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, max_num_seqs: int = 1024):
-        super().__init__(tokenizer, eos_ids, max_model_len)
+    def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, vocab_size: int,
+                 max_num_seqs: int = 1024):
+        super().__init__(tokenizer, eos_ids, max_model_len, vocab_size)
         self.max_num_seqs = max_num_seqs
         self.token_id, self.token_text = self._fixed_token(tokenizer, self._eos_token_ids)
         self.choices: dict[str, list[_Choice]] = {}
@@ -39,7 +40,8 @@ class SyntheticEngine(ModelFacts):
         tokenizer = load_tokenizer(model_dir)
         config = json.loads((Path(model_dir) / "config.json").read_text())
         max_len = max_model_len or config.get("max_position_embeddings", 4096)
-        return cls(tokenizer, eos_token_ids(model_dir, tokenizer), max_len, max_num_seqs)
+        vocab_size = config.get("vocab_size") or len(tokenizer)
+        return cls(tokenizer, eos_token_ids(model_dir, tokenizer), max_len, vocab_size, max_num_seqs)
 
     @staticmethod
     def _fixed_token(tokenizer, eos_ids: set[int]) -> tuple[int, str]:
@@ -51,7 +53,7 @@ class SyntheticEngine(ModelFacts):
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     resume: Resume | None = None) -> None:
         """A resumed request continues each unfinished choice after the tokens it already sent."""
-        self.check_context(prompt_ids, params)
+        self.check_request(prompt_ids, params, resume)
         if request_id in self.choices:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         resume = resume or Resume()

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.engine.types import EngineRejected
+
 
 def load_tokenizer(model_dir: str | Path):
     """The folder's own tokenizer; local files only, so a worker never reaches the network."""
@@ -36,10 +38,19 @@ def eos_token_ids(model_dir: str | Path, tokenizer) -> set[int]:
 
 
 def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` in the folder's chat template, ending where the assistant speaks."""
+    """Token ids of `messages` in the folder's chat template, ending where the assistant speaks.
+
+    A real model's template refuses messages it does not like by raising (jinja2's TemplateError
+    through its `raise_exception`, or a TypeError on an odd shape): that is the request's fault,
+    so it is refused as an invalid request, not counted as an engine failure."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model folder has no chat template; use a completion prompt instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        raise EngineRejected("this model folder has no chat template; use a completion prompt instead",
+                             "invalid_request", "messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # the template is fixed, so whatever it raises, the messages caused
+        raise EngineRejected(f"the model's chat template refused these messages: "
+                             f"{str(exc) or type(exc).__name__}", "invalid_request", "messages") from exc
     return list(tokenizer.encode(text, add_special_tokens=False))  # the template placed BOS itself
 
 

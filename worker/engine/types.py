@@ -39,6 +39,15 @@ class TokenLogprob:
 
 
 @dataclass
+class RequestError:
+    """Why the engine ended one request early; the service turns it into the request's error reply."""
+
+    code: str  # a shared.errors code: engine_error, engine_step_failed, ...
+    message: str
+    retryable: bool = False  # the same request may succeed if sent again
+
+
+@dataclass
 class RequestOutput:
     """What one step produced for one choice of one request (only choices that changed)."""
 
@@ -51,6 +60,7 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far for this choice
+    error: RequestError | None = None  # set (once per request) when the whole request failed
 
 
 @dataclass
@@ -63,7 +73,13 @@ class Resume:
 
 
 class EngineRejected(ValueError):
-    """A request that can never run (too long for the model or the KV pool); message names numbers."""
+    """A request that can never run (too long for the model or the KV pool, a number or token id out
+    of range); the message names the numbers, `code` and `param` say which error the client gets."""
+
+    def __init__(self, message: str, code: str = "context_length_exceeded", param: str | None = None):
+        super().__init__(message)
+        self.code = code
+        self.param = param
 
 
 class Engine(Protocol):

@@ -67,12 +67,14 @@ class Sim:
         assert set(pool.free_queue) == {b for b, r in enumerate(refs) if r == 0}  # free xor in use
         for block_hash, b in pool.cached.items():
             assert pool.blocks[b].block_hash == block_hash
+        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == set(pool.cached.values())
 
 
 ops = st.lists(st.one_of(
     st.tuples(st.just("admit"), st.lists(st.integers(0, 1), min_size=1, max_size=9), st.sampled_from([None, "t1"])),
     st.tuples(st.just("decode"), st.integers(0, 50), st.integers(0, 1)),
     st.tuples(st.just("end"), st.integers(0, 50), st.none()),
+    st.tuples(st.just("forget"), st.none(), st.none()),  # after a failed engine step
 ), min_size=10, max_size=80)
 
 
@@ -83,6 +85,8 @@ def test_invariants_hold_and_everything_returns(ops, num_blocks, caching):
     for kind, a, b in ops:
         if kind == "admit":
             sim.admit(a, b)
+        elif kind == "forget":
+            sim.pool.forget_cached()
         elif sim.live:
             sim.decode(a, b) if kind == "decode" else sim.end(a)
         sim.check()
@@ -122,3 +126,19 @@ def test_tail_blocks_are_evicted_first():
     table = list(seq.block_table)
     pool.free(seq)
     assert list(pool.free_queue) == table[::-1]
+
+
+def test_forgetting_the_cache_keeps_users_and_serves_no_more_hits():
+    """After a failed step the cache may hold a half-written block: every hash goes, users keep
+    their blocks, and unhashed free blocks are the first to be reused."""
+    sim = Sim(8)
+    sim.admit([1, 2, 3, 4, 5], None)
+    sim.admit([6, 7, 8], None)
+    sim.end(1)
+    in_use = list(sim.live[0].block_table)
+    sim.pool.forget_cached()
+    sim.check()
+    assert not sim.pool.cached and sim.pool.blocks[in_use[0]].ref_cnt == 1
+    assert set(list(sim.pool.free_queue)[:2]) == {3, 4}  # the freed sequence's, hashed or not
+    sim.admit([1, 2, 3, 4, 9], None)
+    assert set(sim.live[1].block_table).isdisjoint(in_use), "no hit after the cache was forgotten"
