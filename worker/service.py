@@ -177,7 +177,7 @@ class WorkerService:
                 message="request deadline passed while Redis refused writes"))
             self.outbox.finish(act.entry_id, rid, act.stream)
             self.counters["requests_aborted"] += 1
-            self.metrics.finished(rid, "timeout")
+            self.metrics.finished(rid, "abort")
             log.info("timed out %s while Redis refused writes", rid, extra={"request_id": rid})
 
     def _until_redis(self, fn) -> None:
