@@ -170,6 +170,7 @@ def test_full_redis_gives_503s_streams_pause_and_resume(cluster):
         cluster.client.config_set("maxmemory-policy", "noeviction")
         cluster.client.config_set("maxmemory", "1")  # tiny: every write that needs memory is refused
         seen["running"] = _metric(metrics_url, "kvgate_num_requests_running")
+        seen["full_since"] = time.monotonic()
 
     def allow():
         deadline = time.monotonic() + 10  # the short request ends while Redis is still full
@@ -177,6 +178,10 @@ def test_full_redis_gives_503s_streams_pause_and_resume(cluster):
             assert time.monotonic() < deadline, "the timed-out request kept its KV"
             time.sleep(0.2)
         seen["freed_while_full"] = True
+        # past the 2 s heartbeat TTL: its registry entry lives on (EXPIRE needs no memory), so no
+        # other worker would take its requests over
+        time.sleep(max(0.0, seen["full_since"] + 3 - time.monotonic()))
+        seen["registered_while_full"] = cluster.info("w-full") is not None
         cluster.client.config_set("maxmemory", "0")
 
     start = time.monotonic()
@@ -186,7 +191,7 @@ def test_full_redis_gives_503s_streams_pause_and_resume(cluster):
           f"paused and finished in {time.monotonic() - start:.1f}s; the request whose deadline "
           f"passed freed its KV while Redis was still full")
     _assert_refused(probes, "Redis is out of memory (maxmemory)")
-    assert seen["freed_while_full"]
+    assert seen["freed_while_full"] and seen["registered_while_full"]
     assert [r.code for r in timed_out if isinstance(r, protocol.ErrorReply)] == ["timeout"]
     _finished_or_clear(results)
     for got in results:  # nothing was lost: each text is the clean run's, token for token
