@@ -19,7 +19,7 @@ import redis
 
 from shared import names, protocol
 from shared.redis_server import RedisServer
-from tests.integration.test_faults import HEADERS, KEY, Cluster, _wait  # noqa: F401  (plain helpers)
+from tests.integration.test_faults import HEADERS, Cluster, _wait  # plain helpers
 
 ADMIN = {"Authorization": "Bearer sk-kvg-redis-full-admin"}
 STREAMS = 15
