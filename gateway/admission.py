@@ -82,4 +82,7 @@ async def settle(request: Request, lease: Lease) -> None:
         log.warning("could not settle usage of key %s: %s", lease.key.id, type(exc).__name__)
     finally:
         if lease.slot:
-            await state.limits.release_slot(lease.key, lease.slot_id)
+            try:
+                await state.limits.release_slot(lease.key, lease.slot_id)
+            except Exception as exc:  # a read-only Redis: the slot frees itself at its expiry
+                log.warning("could not release a slot of key %s: %s", lease.key.id, type(exc).__name__)

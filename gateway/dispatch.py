@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
+from gateway.errors import redis_unavailable
 from shared import names, protocol
 from shared.errors import (EngineFailure, KvgateError, Overloaded, PayloadTooLarge, RequestTimeout,
                            UnsupportedSchema, from_code)
@@ -117,8 +118,7 @@ class Dispatcher:
             added = await self._xadd_bounded(keys=keys, args=args)
         except Exception as exc:
             self.queues.pop(entry.request_id, None)
-            raise Overloaded(f"queue unavailable ({type(exc).__name__}); retry shortly",
-                             retry_after=1) from exc
+            raise redis_unavailable(exc) from exc
         if not added:
             self.queues.pop(entry.request_id, None)
             raise Overloaded(f"model '{entry.model}' is at its queue depth limit of "

@@ -11,7 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.errors import KvgateError
+from shared.errors import KvgateError, Overloaded
+from shared.redis_errors import refusal
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -67,11 +68,18 @@ async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
     return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
-async def _on_redis(_: Request, exc: Exception) -> JSONResponse:
-    log.warning("redis unavailable: %s", type(exc).__name__)
-    from shared.errors import Overloaded
+def redis_unavailable(exc: BaseException) -> Overloaded:
+    """The 503 for a Redis that refuses (full, read-only, not saving, loading, away): it says why."""
+    why = refusal(exc) or "The queue (Redis) is unavailable"
+    return Overloaded(f"{why}; retry shortly", retry_after=1)
 
-    return error_response(Overloaded("The queue (Redis) is unavailable; retry shortly", retry_after=1))
+
+async def _on_redis(_: Request, exc: Exception) -> JSONResponse:
+    if refusal(exc) is None:  # not a refusal that passes: a bug or a broken key; say it loudly
+        log.error("redis error: %s: %s", type(exc).__name__, exc)
+    else:
+        log.warning("redis unavailable: %s", refusal(exc))
+    return error_response(redis_unavailable(exc))
 
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -1,20 +1,34 @@
 """`kvgate up`: the whole system on one machine as child processes (Redis, a worker, the gateway,
-Celery worker and beat), for `make run` and tests."""
+Celery worker and beat), for `make run` and tests.
+
+Supervised: once the stack has been ready, a child that dies is started again after a back-off
+(1 s doubling to 30 s, back to 1 s for a child that had run a minute), each restart said on stderr
+and in the child's log; only Ctrl-C or SIGTERM stops the stack. Before it was ever ready, a child
+that dies ends `kvgate up` with its log's last lines: a broken model folder fails at once, loudly,
+instead of restarting forever.
+"""
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
+from shared.backoff import Backoff
+from shared.logs import JsonFormatter
 from shared.redis_server import RedisServer, free_port
 
 READY_TIMEOUT_S = 600
+RESTART_FIRST_S, RESTART_CAP_S = 1.0, 30.0
+STEADY_S = 60.0  # a child that ran this long before it died restarts after RESTART_FIRST_S again
+LOG_TAIL_LINES = 20
 
 
 def default_model_dir() -> Path:
@@ -36,36 +50,104 @@ def write_secret(path: Path, value: str) -> None:
     os.chmod(path, 0o600)
 
 
+class Child:
+    """One supervised process: how to start it, where it logs, when it may start again."""
+
+    def __init__(self, name: str, launch: Callable[[], subprocess.Popen], log: Path | None,
+                 pid_file: Path):
+        self.name, self.launch, self.log, self.pid_file = name, launch, log, pid_file
+        self.backoff = Backoff(RESTART_FIRST_S, RESTART_CAP_S)
+        self.restart_at: float | None = None  # set while it is dead and waiting out its back-off
+        self.start()
+
+    def start(self, now: float | None = None) -> None:
+        self.started = time.monotonic() if now is None else now
+        self.proc = self.launch()
+        self.pid_file.write_text(f"{self.proc.pid}\n")  # for operators (and tests) to find it
+
+    def tend(self, now: float) -> str | None:
+        """Start it again if it died and its back-off has passed; what happened, in words."""
+        if self.proc.poll() is None:
+            return None
+        if self.restart_at is None:
+            ran = now - self.started
+            if ran >= STEADY_S:
+                self.backoff.reset()
+            delay = self.backoff.next()
+            self.restart_at = now + delay
+            return (f"{self.name} exited with code {self.proc.returncode} after {ran:.0f}s; "
+                    f"restarting in {delay:g}s")
+        if now < self.restart_at:
+            return None
+        self.restart_at = None
+        try:
+            self.start(now)
+        except (OSError, RuntimeError) as exc:  # e.g. Redis's port taken: the next back-off is longer
+            return f"{self.name} did not start again: {exc}"
+        return f"{self.name} restarted (pid {self.proc.pid})"
+
+    def tail(self) -> str:
+        if self.log is None or not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:])
+
+
 class Stack:
-    """Redis + worker + gateway; stops all of them on exit, whatever happened."""
+    """Redis, worker, gateway, Celery: started, restarted when they die, all stopped on exit."""
 
     def __init__(self, state_dir: Path):
         self.state = state_dir
         self.redis: RedisServer | None = None
-        self.children: list[tuple[str, subprocess.Popen]] = []
+        self.children: list[Child] = []
+        self._up_log = JsonFormatter("up")
+
+    def start_redis(self, port: int, password: str) -> RedisServer:
+        self.redis = RedisServer(port=port, data_dir=self.state / "redis", password=password)
+        self.children.append(Child("redis", lambda: self.redis.start().proc, None,
+                                   self.state / "redis.pid"))
+        return self.redis
 
     def spawn(self, name: str, args: list[str], env: dict) -> None:
-        log = open(self.state / f"{name}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "kvgate", *args], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        self.children.append((name, proc))
+        log = self.state / f"{name}.log"
+
+        def launch() -> subprocess.Popen:
+            with open(log, "ab") as out:
+                return subprocess.Popen([sys.executable, "-m", "kvgate", *args], env=env, stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append(Child(name, launch, log, self.state / f"{name}.pid"))
 
     def dead_child(self) -> str | None:
-        for name, proc in self.children:
-            if proc.poll() is not None:
-                return f"{name} exited with code {proc.returncode} (see {self.state / (name + '.log')})"
+        """Before the stack was ever ready: which child died, with its last log lines."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                where = f" (see {child.log}); its last lines:\n{child.tail()}" if child.log else ""
+                return f"{child.name} exited with code {child.proc.returncode}{where}"
         return None
 
+    def supervise(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if (news := child.tend(now)) is not None:
+                self._say(child, news)
+
+    def _say(self, child: Child, news: str) -> None:
+        print(f"kvgate up: {news}", file=sys.stderr, flush=True)
+        if child.log is not None:  # a JSON line like the child's own, so its log tells the story
+            record = logging.makeLogRecord({"name": "kvgate.up", "levelname": "WARNING",
+                                            "levelno": logging.WARNING, "msg": news})
+            with open(child.log, "a") as out:
+                out.write(self._up_log.format(record) + "\n")
+
     def stop(self) -> None:
-        for _, proc in reversed(self.children):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for _, proc in reversed(self.children):
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in reversed(self.children):
             try:
-                proc.wait(15)
+                child.proc.wait(15)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                child.proc.kill()
+                child.proc.wait()
         if self.redis:
             self.redis.stop()
 
@@ -86,19 +168,24 @@ def spawn_services(stack: Stack, env: dict) -> None:
                                 "--schedule", str(stack.state / "celerybeat-schedule")], env)
 
 
-def wait_ready(stack: Stack, url: str, key: str, served_name: str) -> None:
+def wait_ready(stack: Stack, url: str, key: str, served_name: str,
+               stopping: Callable[[], bool]) -> bool:
+    """True once the gateway lists the model; False if asked to stop first; a child that dies
+    meanwhile ends the wait with an error (no restarts before the stack has been up once)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     headers = {"Authorization": f"Bearer {key}"}
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stopping():
         if (why := stack.dead_child()) is not None:
-            raise RuntimeError(why)
+            raise RuntimeError(f"{why}\nnot restarting: the stack was never ready")
         try:
             models = httpx.get(f"{url}/v1/models", headers=headers, timeout=2)
             if models.status_code == 200 and any(m["id"] == served_name for m in models.json()["data"]):
-                return
+                return True
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
+    if stopping():
+        return False
     raise RuntimeError(f"stack not ready after {READY_TIMEOUT_S}s")
 
 
@@ -118,32 +205,32 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        stack.redis = RedisServer(port=redis_port, data_dir=state / "redis").start()
+        redis_url = stack.start_redis(redis_port, redis_password(state)).url
         key = "sk-kvg-dev-" + secrets.token_urlsafe(24)
         admin_key = "sk-kvg-admin-" + secrets.token_urlsafe(24)
-        env = {**os.environ, "KVGATE_REDIS_URL": stack.redis.url,
+        # the Redis URL (it carries the password) goes by environment, never on a command line
+        env = {**os.environ, "KVGATE_REDIS_URL": redis_url,
                "KVGATE_DATA_DIR": os.environ.get("KVGATE_DATA_DIR", str(state / "data"))}
         # The worker shares this machine: OpenMP threads on every core, spinning while the
         # gateway and Redis want a core, cost ~20% of tokens/s at 64 streams on 2 cores.
         threads = os.environ.get("KVGATE_TORCH_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
+        metrics_port = os.environ.get("KVGATE_METRICS_PORT") or str(free_port())  # kept by a restart
         stack.spawn("worker", ["worker", "--model", str(model_dir), "--served-name", served_name,
-                               "--version", version_, "--engine", engine,
-                               "--redis-url", stack.redis.url], {**env, "KVGATE_TORCH_THREADS": threads})
-        stack.spawn("gateway", ["gateway", "--port", str(port), "--redis-url", stack.redis.url,
-                                "--workers", str(gateway_workers)],
+                               "--version", version_, "--engine", engine],
+                    {**env, "KVGATE_TORCH_THREADS": threads, "KVGATE_METRICS_PORT": metrics_port})
+        stack.spawn("gateway", ["gateway", "--port", str(port), "--workers", str(gateway_workers)],
                     {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
                      "KVGATE_SECRET": server_secret(state)})
         url = f"http://127.0.0.1:{port}"
         spawn_services(stack, {**env, "KVGATE_GATEWAY_URL": url, "KVGATE_SECRET": server_secret(state)})
-        wait_ready(stack, url, key, served_name)
-        metrics_url = worker_metrics_url(stack.redis.url, served_name)
+        if not wait_ready(stack, url, key, served_name, lambda: stopping):
+            return 0
+        metrics_url = worker_metrics_url(redis_url, served_name)
         (state / "worker.metrics.url").write_text(metrics_url + "\n")
-        _write_state(state, url, stack.redis.url, key, admin_key, model_dir)
+        _write_state(state, url, redis_url, key, admin_key, model_dir)
         _announce(url, key, served_name, state)
         while not stopping:
-            if (why := stack.dead_child()) is not None:
-                print(f"kvgate up: {why}; stopping", file=sys.stderr)
-                return 1
+            stack.supervise()
             time.sleep(0.3)
         return 0
     except RuntimeError as exc:
@@ -173,6 +260,15 @@ def worker_metrics_url(redis_url: str, served_name: str) -> str:
     raise RuntimeError("the worker did not say where its metrics are")
 
 
+def redis_password(state: Path) -> str:
+    """The embedded Redis's password, generated once and kept in the state folder (mode 0600), so
+    another local user cannot read or edit keys through Redis's port."""
+    path = state / "redis.password"
+    if not path.exists():
+        write_secret(path, secrets.token_urlsafe(32))
+    return path.read_text().strip()
+
+
 def server_secret(state: Path) -> str:
     """KVGATE_SECRET if set; else one generated once and kept in the state folder, so the keys in
     Redis (which lives there too) stay valid across restarts."""
@@ -187,7 +283,7 @@ def server_secret(state: Path) -> str:
 def _write_state(state: Path, url: str, redis_url: str, key: str, admin_key: str,
                  model_dir: Path) -> None:
     (state / "gateway.url").write_text(url + "\n")
-    (state / "redis.url").write_text(redis_url + "\n")
+    write_secret(state / "redis.url", redis_url)  # it carries the password
     (state / "model.dir").write_text(str(model_dir) + "\n")
     write_secret(state / "admin.key", admin_key)
     write_secret(state / "dev.key", key)  # last: scripts wait for it

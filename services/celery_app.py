@@ -22,6 +22,7 @@ def create_app(settings: ServicesSettings | None = None) -> Celery:
     app.conf.update(
         broker_transport_options={"global_keyprefix": names.CELERY_PREFIX},
         broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a long Redis outage is waited out, never fatal
         task_ignore_result=True,
         task_routes={BATCH_TASK: {"queue": BATCH_QUEUE}},  # batch runs: their own queue
         beat_schedule={

@@ -10,6 +10,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import redis
 
@@ -32,31 +33,43 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A child redis-server bound to 127.0.0.1; `port=0` picks a free port."""
+    """A child redis-server bound to 127.0.0.1; `port=0` picks a free port. With a `password`,
+    clients must AUTH (the URL carries it); it reaches the server on stdin, never its command line,
+    so the process list does not show it."""
 
-    def __init__(self, port: int = 0, data_dir: str | Path | None = None, persist: bool = False):
+    def __init__(self, port: int = 0, data_dir: str | Path | None = None, persist: bool = False,
+                 password: str | None = None):
         self.port = port or free_port()
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="kvgate-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
         self.persist = persist
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{quote(self.password, safe='')}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+        args = [find_redis_server(), "-",  # "-": more configuration on stdin (the password)
+                "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--protected-mode", "yes", "--daemonize", "no",
                 "--save", "60 1" if self.persist else "", "--appendonly", "no",
                 "--loglevel", "warning"]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE)
+        quoted = (self.password or "").replace("\\", "\\\\").replace('"', '\\"')
+        config = f'requirepass "{quoted}"\n' if self.password else ""
+        self.proc.stdin.write(config.encode())
+        self.proc.stdin.close()
         self._wait_ready(timeout)
         return self
 
     def _wait_ready(self, timeout: float) -> None:
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=0.2)
+        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                             socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -5,8 +5,12 @@ worker dies in between, the resuming worker re-sends that sequence number and th
 the duplicate). A step's replies to one gateway go in one message, and a log's TTL is refreshed
 every TTL_REFRESH replies rather than on each, so a step of 64 streams costs ~65 commands, not 192.
 The worker's next reads ride in the same pipeline: one round trip per engine step, which is most of
-a step's cost when the engine is fast (Redis shares the machine's cores). While Redis is unreachable the commands are kept and retried, and the worker does
-not step further, so a short outage loses no token.
+a step's cost when the engine is fast (Redis shares the machine's cores).
+
+While Redis refuses (unreachable, full, read-only, not saving, loading: shared/redis_errors.py) the
+commands it refused are kept, in order, and sent first by the next flush; the worker does not step
+further meanwhile, so a refusal loses no token. Commands that ran are never sent again, and one that
+failed for good (NOGROUP: the stream is gone, so is the entry to ack; WRONGTYPE) is dropped.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from collections.abc import Sequence
 import redis
 
 from shared import names, protocol
+from shared.redis_errors import refusal
 from worker import checkpoint
 
 log = logging.getLogger("kvgate.worker")
@@ -33,6 +38,7 @@ class Outbox:
         self.consumer = consumer  # this worker's name in the streams' consumer group
         self.outgoing: dict[str, list[bytes]] = {}  # reply channel -> this step's encoded replies
         self.ops: list[tuple] = []  # after the PUBLISHes: logs, TTLs, acks
+        self.held: list[tuple] = []  # commands Redis refused for now, in order: sent first next flush
 
     def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply,
               version: int | None = None) -> None:
@@ -56,25 +62,44 @@ class Outbox:
         self.ops += [("xack", stream, names.CONSUMER_GROUP, entry_id), ("xdel", stream, entry_id)]
 
     def flush(self, reads: Sequence[tuple[str, int]] = ()) -> list | None:
-        """Send everything queued, then read up to `count` new entries of each (stream, count) in
-        `reads` (without blocking) in the same round trip. The reads' replies, in order; None, and
-        everything kept, if Redis is unreachable."""
-        if not self.ops and not self.outgoing and not reads:
+        """Send what is held, then everything queued, then read up to `count` new entries of each
+        (stream, count) in `reads` (without blocking), in one round trip. The reads' replies in
+        order (None for a read Redis refused), or None if Redis did not answer at all. Whatever
+        Redis refused for now is in `held` afterwards; a NOGROUP read raises (after the rest ran)."""
+        was_held = bool(self.held)
+        commands = self.held + [("publish", channel, protocol.encode_replies(raws))
+                                for channel, raws in self.outgoing.items()] + self.ops
+        self.held, self.ops = [], []
+        self.outgoing.clear()
+        if not commands and not reads:
             return []
         pipe = self.client.pipeline(transaction=False)
-        for channel, raws in self.outgoing.items():
-            pipe.publish(channel, protocol.encode_replies(raws))
-        for name, *args in self.ops:
+        for name, *args in commands:
             getattr(pipe, name)(*args)
         for stream, count in reads:
             pipe.xreadgroup(names.CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
         try:
             results = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            log.warning("replies held while Redis is unreachable (%s)", type(exc).__name__)
+        except redis.RedisError as exc:  # no answer at all: resent whole (a duplicate is harmless)
+            self._hold(commands, commands, exc, was_held)
             return None
-        self.outgoing.clear()  # Redis ran every command: none is sent twice
-        self.ops.clear()
-        if errors := [r for r in results if isinstance(r, Exception)]:
-            raise errors[0]  # e.g. NOGROUP: Redis lost the streams; the worker makes them again
-        return results[len(results) - len(reads):]
+        refused = [(c, r) for c, r in zip(commands, results) if isinstance(r, Exception)]
+        self._hold([c for c, r in refused if refusal(r) is not None], commands,
+                   refused[0][1] if refused else None, was_held)
+        for command, error in refused:
+            if refusal(error) is None:  # will never succeed: resending would only block the rest
+                log.warning("dropped %s %s: %s", command[0], command[1], error)
+        replies = results[len(commands):]
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
+                raise reply  # Redis lost the streams; the worker makes them again
+        return [None if isinstance(r, Exception) else r for r in replies]
+
+    def _hold(self, held: list[tuple], sent: list[tuple], error: Exception | None, was_held: bool) -> None:
+        """Keep what Redis refused; say so when holding starts and ends, not on every retry."""
+        self.held = held
+        if held and not was_held:
+            log.warning("Redis refused %d of %d commands (%s); holding them and retrying",
+                        len(held), len(sent), refusal(error) or type(error).__name__)
+        elif was_held and not held:
+            log.info("Redis took the held commands again")

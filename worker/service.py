@@ -10,6 +10,7 @@ goes on. An entry that workers keep taking and never finishing is retired by the
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -20,6 +21,8 @@ import redis
 from pydantic import ValidationError
 
 from shared import errors, names, protocol
+from shared.backoff import Backoff
+from shared.redis_errors import refusal
 from shared.settings import WorkerSettings
 from worker import checkpoint
 from worker.engine.types import EngineRejected, RequestError, RequestOutput, Resume, SamplingParams
@@ -29,7 +32,6 @@ from worker.replies import Outbox
 from worker.takeover import claim_orphans
 
 log = logging.getLogger("kvgate.worker")
-REDIS_DOWN = (redis.ConnectionError, redis.TimeoutError)
 RETRYABLE = {errors.EngineStepFailed.code, errors.ResumeFailed.code}  # sent again, may succeed
 
 
@@ -46,6 +48,7 @@ class Active:
     finished: set[int] = field(default_factory=set)
     stream: str | None = None  # the stream the entry came from; None: the interactive lane
     version: int = protocol.SCHEMA_VERSION  # the entry's schema: its replies are written in it
+    deadline: float = math.inf  # the entry's, in time.time(): enforced here while Redis refuses
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -91,6 +94,7 @@ class WorkerService:
         self.drain_deadline: float | None = None
         self.last_claim = 0.0
         self.interactive_drained = True  # the last read of the interactive lane left nothing
+        self.backoff = Backoff(0.05, 2.0)  # between tries while Redis refuses or errs
         self.faults = Faults(settings.fault_error_rate, settings.fault_latency_ms,
                              settings.fault_crash_marker)
         self.counters = {"requests_admitted": 0, "requests_finished": 0, "requests_aborted": 0,
@@ -113,15 +117,19 @@ class WorkerService:
             while not self.stopping.is_set():
                 try:
                     self._iteration()
-                except REDIS_DOWN as exc:
-                    log.warning("Redis unreachable (%s); retrying", type(exc).__name__)
-                    time.sleep(0.5)
-                except redis.ResponseError as exc:
-                    if "NOGROUP" not in str(exc):
-                        raise
-                    self._ensure_group()  # Redis came back without our stream: make it again
+                except redis.RedisError as exc:
+                    self._on_redis_error(exc)
         finally:
             self._deregister()
+
+    def _on_redis_error(self, exc: redis.RedisError) -> None:
+        """No Redis error ends the worker: what was read and not admitted is in the backlog, what
+        was not sent in the outbox; both go on when Redis answers again."""
+        if "NOGROUP" in str(exc):  # Redis came back without our streams: make them again
+            self._until_redis(self._ensure_group)
+            return
+        log.warning("Redis error, retrying: %s", refusal(exc) or exc)
+        self.stopping.wait(self.backoff.next())
 
     def stop(self) -> None:
         self.stopping.set()
@@ -134,8 +142,9 @@ class WorkerService:
             log.info("draining: %d requests in flight", len(self.active))
 
     def _iteration(self) -> None:
-        if self.outbox.flush() is None:  # Redis away: keep what we have, step no further
-            time.sleep(0.5)
+        self.outbox.flush()
+        if self.outbox.held:  # Redis refuses: keep the replies, step no further
+            self._while_refused()
             return
         self._apply_cancels()
         draining = self.drain_deadline is not None
@@ -155,14 +164,39 @@ class WorkerService:
                 if stream == self.stream:
                     self.interactive_drained = len(entries) < count
             self.backlog.sort(key=lambda e: e[0] != self.stream)  # interactive entries first
+        if not self.outbox.held:
+            self.backoff.reset()
+
+    def _while_refused(self) -> None:
+        """No step while Redis refuses the replies (they would pile up unsent), but a cancel or a
+        passed deadline frees its KV now; their answers queue behind the held replies."""
+        self._apply_cancels()
+        self._expire_deadlines()
+        if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
+            self.stopping.set()  # what is unacked stays pending: a live worker resumes it
+            return
+        self.stopping.wait(self.backoff.next())
+
+    def _expire_deadlines(self) -> None:
+        now = time.time()
+        for rid in [rid for rid, act in self.active.items() if now > act.deadline]:
+            act = self.active.pop(rid)
+            self.engine.abort(rid)
+            self.outbox.reply(act.reply_channel, protocol.ErrorReply(
+                request_id=rid, seq=act.next_seq(), code="timeout",
+                message="request deadline passed while Redis refused writes"), act.version)
+            self.outbox.finish(act.entry_id, rid, act.stream)
+            self.counters["requests_aborted"] += 1
+            self.metrics.finished(rid, "abort")
+            log.info("timed out %s while Redis refused writes", rid, extra={"request_id": rid})
 
     def _until_redis(self, fn) -> None:
         while not self.stopping.is_set():
             try:
                 return fn()
-            except REDIS_DOWN as exc:
-                log.warning("waiting for Redis (%s)", type(exc).__name__)
-                time.sleep(1)
+            except redis.RedisError as exc:
+                log.warning("waiting for Redis: %s", refusal(exc) or exc)
+                self.stopping.wait(self.backoff.next())
 
     # -- stream consumption ----------------------------------------------------------------
     def _ensure_group(self) -> None:
@@ -178,25 +212,27 @@ class WorkerService:
         then orphans; when the engine is idle and nothing waits, block on both lanes a while."""
         room = self.engine.free_capacity()
         todo, self.backlog = self.backlog[:room], self.backlog[room:]
-        if len(todo) < room and time.monotonic() - self.last_claim >= self.s.heartbeat_s:
-            self.last_claim = time.monotonic()
-            known = {a.entry_id for a in self.active.values()} | {e[1] for e in todo + self.backlog}
-            for stream in (self.stream, self.batch_stream):
-                orphans = claim_orphans(self.redis, stream, self.s.worker_id,
-                                        int(self.s.heartbeat_ttl_s * 1000), room - len(todo), known)
-                todo += [(stream, o.entry_id, o.raw, o.times_delivered) for o in orphans]
-        if not todo and room and not self.engine.has_unfinished():
-            # idle: wait for either lane; one entry from each at most, the surplus waits its turn
-            read = _entries(self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
-                                                  {self.stream: ">", self.batch_stream: ">"}, count=1,
-                                                  block=100))
-            todo, self.backlog = read[:room], read[room:] + self.backlog
-        for i, (stream, entry_id, raw, delivered) in enumerate(todo):
-            try:
+        admitted = 0
+        try:
+            if len(todo) < room and time.monotonic() - self.last_claim >= self.s.heartbeat_s:
+                self.last_claim = time.monotonic()
+                known = {a.entry_id for a in self.active.values()} | {e[1] for e in todo + self.backlog}
+                for stream in (self.stream, self.batch_stream):
+                    orphans = claim_orphans(self.redis, stream, self.s.worker_id,
+                                            int(self.s.heartbeat_ttl_s * 1000), room - len(todo), known)
+                    todo += [(stream, o.entry_id, o.raw, o.times_delivered) for o in orphans]
+            if not todo and room and not self.engine.has_unfinished():
+                # idle: wait for either lane; one entry from each at most, the surplus waits its turn
+                read = _entries(self.redis.xreadgroup(names.CONSUMER_GROUP, self.s.worker_id,
+                                                      {self.stream: ">", self.batch_stream: ">"},
+                                                      count=1, block=100))
+                todo, self.backlog = read[:room], read[room:] + self.backlog
+            for stream, entry_id, raw, delivered in todo:
                 self._admit(stream, entry_id, raw, delivered)
-            except REDIS_DOWN:
-                self.backlog = todo[i:] + self.backlog
-                raise
+                admitted += 1
+        except redis.RedisError:  # what was read or claimed and not admitted waits for Redis
+            self.backlog = todo[admitted:] + self.backlog
+            raise
 
     def _next_reads(self) -> list[tuple[str, int]]:
         """What the next flush reads: as many new entries as the engine has room for. The batch lane
@@ -280,7 +316,7 @@ class WorkerService:
         self.active[rid] = Active(entry_id, entry.reply_channel, entry.params.n, len(prompt_ids),
                                   seq=ckpt.last_seq, finished=set(ckpt.finished),
                                   completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
-                                  stream=stream, version=entry.v)
+                                  stream=stream, version=entry.v, deadline=entry.deadline)
         self.counters["requests_admitted"] += 1
         if delivered:
             self.counters["requests_resumed"] += 1
@@ -404,17 +440,27 @@ class WorkerService:
 
     # -- cancellation ----------------------------------------------------------------------
     def _cancel_loop(self) -> None:
+        backoff = Backoff(0.1, 2.0)
         while not self.stopping.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(names.CANCEL_CHANNEL)
+                backoff.reset()
                 while not self.stopping.is_set():
                     msg = pubsub.get_message(timeout=0.5)
                     if msg and msg["type"] == "message":
-                        self.cancels.put(protocol.decode_cancel(msg["data"]).request_id)
-            except (redis.RedisError, protocol.ProtocolError, ValueError) as exc:
-                log.warning("cancel listener: %s; retrying", exc)
-                time.sleep(0.5)
+                        self._on_cancel(msg["data"])
+            except redis.RedisError as exc:
+                log.warning("cancel listener: %s; resubscribing", refusal(exc) or exc)
+                self.stopping.wait(backoff.next())
+            finally:
+                pubsub.close()
+
+    def _on_cancel(self, raw: bytes) -> None:
+        try:
+            self.cancels.put(protocol.decode_cancel(raw).request_id)
+        except ValueError as exc:  # ProtocolError too: one bad message, not a reason to resubscribe
+            log.warning("ignored an undecodable cancel: %s", exc)
 
     def _apply_cancels(self) -> None:
         """Aborted in the engine before the next step, so its blocks are free for that step."""
@@ -445,18 +491,28 @@ class WorkerService:
                         orjson.dumps({"model": self.s.model, "registered": time.time()}))
 
     def _heartbeat_loop(self) -> None:
+        failing = False  # log when heartbeats start and stop failing, not every beat
         while not self.stopping.is_set():
             try:
                 self.heartbeat()
+                if failing:
+                    log.info("heartbeat sent again")
+                failing = False
             except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
+                if not failing:
+                    log.warning("heartbeat failed: %s; retrying every beat", refusal(exc) or exc)
+                failing = True
+            except Exception:  # a thread that dies quietly would make the worker look dead
+                log.exception("heartbeat failed")
             self.stopping.wait(self.s.heartbeat_s)
 
     def heartbeat(self) -> None:
         now = time.time()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(names.worker_key(self.s.worker_id), orjson.dumps(self._info()),
-                 ex=max(1, int(self.s.heartbeat_ttl_s)))
+        ttl = max(1, int(self.s.heartbeat_ttl_s))
+        pipe.set(names.worker_key(self.s.worker_id), orjson.dumps(self._info()), ex=ttl)
+        # a full Redis refuses the SET but not EXPIRE: the entry stays, nobody takes our requests over
+        pipe.expire(names.worker_key(self.s.worker_id), ttl)
         pipe.zadd(names.WORKERS_ZSET, {self.s.worker_id: now + self.s.heartbeat_ttl_s})
         pipe.zremrangebyscore(names.WORKERS_ZSET, "-inf", now)
         pipe.hsetnx(names.model_versions_key(self.s.served_name), self.s.version,

@@ -104,6 +104,29 @@ def test_services_wait_for_what_they_need():
         assert name in services
 
 
+ONE_SHOT = {"model-init"}  # runs once and exits: restarting it would redo finished work
+
+
+def _raw_services(files: list[str]) -> dict[str, dict]:
+    """The files' services merged key by key, as compose merges an override (no Docker needed)."""
+    merged: dict[str, dict] = {}
+    for f in files:
+        for name, svc in yaml.safe_load((ROOT / f).read_text())["services"].items():
+            merged[name] = {**merged.get(name, {}), **svc}
+    return merged
+
+
+@pytest.mark.parametrize("files", COMPOSE_SETS, ids=["gpu", "cpu"])
+def test_every_long_running_service_restarts_when_it_dies(files):
+    services = _raw_services(files)
+    assert ONE_SHOT <= set(services)
+    for name, svc in services.items():
+        if name in ONE_SHOT:
+            assert svc.get("restart", "no") == "no", f"{name} runs once: no restart policy"
+        else:
+            assert svc.get("restart") == "unless-stopped", f"{name} has no restart policy"
+
+
 def test_prometheus_config_and_rules_pass_promtool():
     promtool = _tool("promtool")
     for args in (["check", "config", "ops/prometheus/prometheus.yml"],

@@ -15,3 +15,16 @@ def test_launcher_starts_a_real_server_on_loopback_and_stops_it():
     finally:
         server.stop()
     assert server.proc.poll() is not None
+
+
+def test_a_password_is_required_and_never_on_the_command_line():
+    import socket
+
+    password = 'p@ss "word" \\ with: odd/chars'
+    with RedisServer(password=password) as server:
+        assert redis.Redis.from_url(server.url).ping()  # the URL carries it
+        with socket.create_connection(("127.0.0.1", server.port), timeout=2) as raw:
+            raw.sendall(b"PING\r\n")
+            assert raw.recv(100).startswith(b"-NOAUTH")
+        with open(f"/proc/{server.proc.pid}/cmdline", "rb") as cmdline:
+            assert password.encode() not in cmdline.read()
