@@ -5,15 +5,12 @@ request afterwards with the same worker and gateway processes. Then schemathesis
 from __future__ import annotations
 
 import json
-import os
-import resource
 import secrets
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
-import orjson
 import psutil
 import pytest
 
