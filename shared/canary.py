@@ -22,6 +22,12 @@ from shared import names
 BUCKETS = 10_000
 MAX_EVENTS = 100  # events kept per alias
 CAS_RETRIES = 20
+# bounds of what an admin may set (a route is read by every request: it stays small and sane)
+MAX_RATIO = 1000.0
+MAX_SAMPLES = 1_000_000
+MAX_STEPS = 20
+MAX_INTERVAL_S = 30 * 86400
+MAX_COHORTS = 64
 Phase = Literal["canary", "rolled_back", "promoted"]
 BUILTIN_COHORTS = ("canary", "stable")  # a key's cohort may name a role instead of a version
 
@@ -40,12 +46,13 @@ class Thresholds(BaseModel):
 
     min_success_rate: float = Field(0.99, ge=0, le=1, description="Below this share of successful "
                                     "requests the canary fails")
-    max_ttft_ratio: float = Field(1.5, gt=0, description="Canary TTFT p95 above this many times "
-                                  "stable's fails")
-    max_tpot_ratio: float | None = Field(None, gt=0, description="Canary TPOT p95 above this many "
-                                         "times stable's fails; null: not checked")
-    min_samples: int = Field(50, ge=1, description="Requests the canary (and, for the latency "
-                             "ratios, stable) must have served in the window before it is judged")
+    max_ttft_ratio: float = Field(1.5, gt=0, le=MAX_RATIO, description="Canary TTFT p95 above "
+                                  "this many times stable's fails")
+    max_tpot_ratio: float | None = Field(None, gt=0, le=MAX_RATIO, description="Canary TPOT p95 "
+                                         "above this many times stable's fails; null: not checked")
+    min_samples: int = Field(50, ge=1, le=MAX_SAMPLES, description="Requests the canary (and, "
+                             "for the latency ratios, stable) must have served in the window "
+                             "before it is judged")
     window_s: int = Field(120, ge=5, le=86400, description="Sliding analysis window, seconds")
 
 
@@ -54,11 +61,14 @@ class Route(BaseModel):
     stable: str = Field(description="The version everyone gets unless routed to the canary")
     canary: str | None = Field(None, description="The version on trial; null after a promotion")
     weight: float = Field(0.0, ge=0, le=100, description="Percent of keys routed to the canary")
-    steps: list[float] = Field(default_factory=list, description="Weights to advance through, "
+    steps: list[float] = Field(default_factory=list, max_length=MAX_STEPS,
+                               description="Weights to advance through, "
                                "one per interval, while the analysis passes; 100 promotes")
-    interval_s: int | None = Field(None, ge=1, description="Seconds between steps")
+    interval_s: int | None = Field(None, ge=1, le=MAX_INTERVAL_S,
+                                   description="Seconds between steps")
     paused: bool = Field(False, description="Steps do not advance (rollback still acts)")
-    cohorts: dict[str, str] = Field(default_factory=dict, description="Cohort -> version: keys "
+    cohorts: dict[str, str] = Field(default_factory=dict, max_length=MAX_COHORTS,
+                                    description="Cohort -> version: keys "
                                     "whose canary_cohort is listed get that version")
     thresholds: Thresholds = Field(default_factory=Thresholds)
     phase: Phase = Field("canary", description="canary: on trial; rolled_back: pulled (weight 0); "
