@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 
 from gateway.admin_schemas import (ErrorBody, KeyCreate, KeyList, KeyRotate, KeySecret, KeyUpdate,
                                    UsageReport, UsageRow)
@@ -12,6 +12,9 @@ from gateway.auth import require_admin
 from gateway.durations import parse_duration
 from gateway.keys import BOOTSTRAP_IDS, KeyRecord
 from shared.errors import InvalidRequest
+
+KeyRef = Annotated[str, Path(max_length=64, description="A key's name or id")]
+NOT_NULL = ("name", "role", "models", "best_priority", "cache_scope", "version_override", "metadata")
 
 ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
     (401, "No key, or an unknown, revoked or expired one"), (403, "Not an admin key"),
@@ -39,52 +42,57 @@ async def list_keys(request: Request) -> KeyList:
 
 
 @router.get("/keys/{key}", response_model=KeyRecord)
-async def show_key(key: str, request: Request) -> KeyRecord:
+async def show_key(key: KeyRef, request: Request) -> KeyRecord:
     """`key` is a key's name or id."""
     return await _store(request).get(key)
 
 
 @router.patch("/keys/{key}", response_model=KeyRecord)
-async def update_key(key: str, body: KeyUpdate, request: Request) -> KeyRecord:
+async def update_key(key: KeyRef, body: KeyUpdate, request: Request) -> KeyRecord:
+    """Only the fields sent change, applied to the record as it is when written: a PATCH that
+    races a revoke leaves the key revoked."""
     store = _store(request)
-    old = await store.get(key)
     changes = body.model_dump(exclude_unset=True)
     if "expires_in" in changes:
         seconds = changes.pop("expires_in")
         changes["expires"] = time.time() + seconds if seconds else None
-    for field in ("name", "role", "models", "cache_isolation", "version_override", "metadata"):
+    for field in NOT_NULL:
         if field in changes and changes[field] is None:
             raise InvalidRequest(f"{field} cannot be null", param=field)
-    return await store.save(old, old.model_copy(update=changes))
+    return await store.update(await store.resolve(key), lambda old: old.model_copy(update=changes))
 
 
 @router.post("/keys/{key}/revoke", response_model=KeyRecord)
-async def revoke_key(key: str, request: Request) -> KeyRecord:
+async def revoke_key(key: KeyRef, request: Request) -> KeyRecord:
     """Refused by every gateway from the next request on; the record stays, marked revoked."""
     store = _store(request)
-    return await store.revoke(await store.get(key))
+    return await store.revoke(await store.resolve(key))
 
 
 @router.post("/keys/{key}/rotate", response_model=KeySecret)
-async def rotate_key(key: str, request: Request, body: KeyRotate | None = None) -> KeySecret:
-    """A new secret; the old one keeps working for `grace_s` seconds (default an hour)."""
+async def rotate_key(key: KeyRef, request: Request, body: KeyRotate | None = None) -> KeySecret:
+    """A new secret; the old one keeps working for `grace_s` seconds (default an hour; 0: dead now)."""
     store = _store(request)
-    record, secret = await store.rotate(await store.get(key), (body or KeyRotate()).grace_s)
+    record, secret = await store.rotate(await store.resolve(key), (body or KeyRotate()).grace_s)
     return KeySecret(key=record, secret=secret)
 
 
 @router.get("/usage", response_model=UsageReport)
-async def usage(request: Request, key: str | None = Query(None, description="A key's name or id"),
-                since: str = Query("7d", description="How far back: 12h, 7d, 4w ..."),
+async def usage(request: Request,
+                key: str | None = Query(None, max_length=64, description="A key's name or id"),
+                since: str = Query("7d", max_length=32, description="How far back: 12h, 7d, 4w ... "
+                                   "(at most the usage retention, KVGATE_USAGE_RETENTION_DAYS)"),
                 by: Literal["model", "day", "key"] = "model") -> UsageReport:
     """Requests, prompt and completion tokens and errors, per model+version, UTC day or key."""
     try:
-        start = time.time() - parse_duration(since)
+        seconds = parse_duration(since)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="since") from exc
+    book = request.app.state.usage
+    start = book.window_start(time.time() - seconds)  # nothing older is kept: no longer report
     store = _store(request)
     key_id = key if key in BOOTSTRAP_IDS or not key else (await store.get(key)).id
-    rows = await request.app.state.usage.query(start, key_id, by)
+    rows = await book.query(start, key_id, by)
     names = {r.id: r.name for r in await store.list()} if by == "key" else {}
     return UsageReport(since=start, by=by, key=key, rows=[
         UsageRow(**row, key_name=names.get(row.get("key_id"), row.get("key_id"))) if by == "key"

@@ -5,20 +5,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.keys import KeyLimits, KeyRecord, Role
+from gateway.keys import (MAX_LIMIT, MAX_METADATA, MAX_MODELS, PRIORITY_BOUND, CacheScope, Cohort,
+                          KeyLimits, KeyRecord, Metadata, ModelName, Owner, Role)
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
 NAME_DOC = "Unique; up to 64 letters, digits and _ . @ -"
+MAX_EXPIRES_IN = 10 * 365 * 86400  # ten years: further is "never" (null)
+MAX_GRACE_S = 30 * 86400
 
 
 class KeyCreate(KeyLimits):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(pattern=NAME_PATTERN, description=NAME_DOC)
-    owner: str | None = None
+    owner: Owner | None = Field(None, description="Who the key belongs to: its tenant (keys with "
+                                "the same owner share prefix-cache hits)")
     role: Role = "user"
-    expires_in: int | None = Field(None, ge=1, description="Seconds from now until the key expires")
-    metadata: dict[str, str] = Field(default_factory=dict)
+    expires_in: int | None = Field(None, ge=1, le=MAX_EXPIRES_IN,
+                                   description="Seconds from now until the key expires")
+    metadata: Metadata = Field(default_factory=dict, max_length=MAX_METADATA)
 
 
 class KeyUpdate(BaseModel):
@@ -27,18 +32,20 @@ class KeyUpdate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str | None = Field(None, pattern=NAME_PATTERN, description=NAME_DOC)
-    owner: str | None = None
+    owner: Owner | None = None
     role: Role | None = None
-    expires_in: int | None = Field(None, ge=1, description="Seconds from now; null: never expires")
-    models: list[str] | None = None
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
-    daily_tokens: int | None = Field(None, ge=1)
-    cache_isolation: bool | None = None
-    canary_cohort: str | None = None
+    expires_in: int | None = Field(None, ge=1, le=MAX_EXPIRES_IN,
+                                   description="Seconds from now; null: never expires")
+    models: list[ModelName] | None = Field(None, max_length=MAX_MODELS)
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    daily_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    best_priority: int | None = Field(None, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
+    cache_scope: CacheScope | None = None
+    canary_cohort: Cohort | None = None
     version_override: bool | None = None
-    metadata: dict[str, str] | None = None
+    metadata: Metadata | None = Field(None, max_length=MAX_METADATA)
     # stored-data quotas; null: back to the gateway's default
     max_stored_bytes: int | None = Field(None, ge=0, le=1 << 50)
     max_files: int | None = Field(None, ge=0, le=100_000)
@@ -48,7 +55,7 @@ class KeyUpdate(BaseModel):
 class KeyRotate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    grace_s: int = Field(3600, ge=0, le=30 * 86400,
+    grace_s: int = Field(3600, ge=0, le=MAX_GRACE_S,
                          description="Seconds the old secret keeps working")
 
 

@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gateway import errors
@@ -27,6 +27,7 @@ from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.registry import Registry
 from gateway.routing import Router
 from gateway.strict_json import StrictJSONMiddleware
+from gateway.throttle import Throttle
 from shared import logs, telemetry
 from shared.batches import BatchStore
 from shared.files import FileStore
@@ -71,15 +72,19 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app = FastAPI(title="kvgate", version="0.1.0", lifespan=lifespan, telemetry={"tracing": False},
                   description="OpenAI-compatible LLM gateway in front of paged-KV workers")
     app.state.settings = settings
+    # per-address throttles (slowapi, in this process's memory): failed auth, and the routes below
+    app.state.throttle = throttle = Throttle(settings.auth_failures_per_minute,
+                                             settings.public_per_minute)
+    public = [Depends(throttle.public_route)]
     errors.install(app)
     app.include_router(openai_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
     app.include_router(files_router)
     app.include_router(batches_router)
-    app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"])
-    app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"])
-    app.add_api_route("/metrics", metrics, methods=["GET"], tags=["health"],
+    app.add_api_route("/healthz", healthz, methods=["GET"], tags=["health"], dependencies=public)
+    app.add_api_route("/readyz", readyz, methods=["GET"], tags=["health"], dependencies=public)
+    app.add_api_route("/metrics", metrics, methods=["GET"], tags=["health"], dependencies=public,
                       summary="Prometheus metrics (no key, like the health routes)")
     app.add_middleware(StrictJSONMiddleware)  # inside the body limit: parses bounded bodies only
     app.add_middleware(RateLimitHeaders)

@@ -30,7 +30,20 @@ def _bootstrap(settings, token: str) -> KeyRecord | None:
 
 @traced("auth")
 async def authenticate(request: Request) -> KeyRecord:
-    """The caller's key record, or 401 (missing, unknown, revoked or expired key)."""
+    """The caller's key record, or 401 (missing, unknown, revoked or expired key); an address that
+    keeps failing gets 429 for a while (gateway/throttle.py)."""
+    throttle = request.app.state.throttle
+    throttle.check_auth(request)
+    try:
+        record = await _identify(request)
+    except AuthenticationFailed:
+        throttle.auth_failed(request)
+        raise
+    request.state.key = record
+    return record
+
+
+async def _identify(request: Request) -> KeyRecord:
     token = bearer_token(request)
     if token is None:
         raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'")
@@ -41,7 +54,6 @@ async def authenticate(request: Request) -> KeyRecord:
         raise AuthenticationFailed("Incorrect API key provided")
     if (why := record.refusal()) is not None:
         raise AuthenticationFailed(why, code="key_revoked" if record.status == "revoked" else "key_expired")
-    request.state.key = record
     return record
 
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from collections import Counter
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 
 from gateway.admin_api import ERRORS
 from gateway.auth import require_admin
@@ -13,6 +14,7 @@ from shared import canary, canary_stats, names
 from shared.canary import Route, RouteStore
 from shared.errors import Conflict, InvalidRequest, NotFound
 
+Alias = Annotated[str, Path(max_length=256, description="The served name clients ask for")]
 router = APIRouter(prefix="/admin/canary", dependencies=[Depends(require_admin)], tags=["admin"],
                    responses=ERRORS)
 
@@ -41,7 +43,7 @@ async def _stable_for(request: Request, alias: str, body: CanarySet, current: Ro
 
 
 @router.put("/{alias}", response_model=Route)
-async def set_canary(alias: str, body: CanarySet, request: Request) -> Route:
+async def set_canary(alias: Alias, body: CanarySet, request: Request) -> Route:
     """Put `version` on trial; replaces any canary the alias had (its stable stays). The canary
     may have no worker yet: its share is served by stable (failover) until one is live, so a
     route can be set before the new version's workers start."""
@@ -75,7 +77,7 @@ async def list_routes(request: Request) -> RouteList:
 
 
 @router.get("/{alias}", response_model=CanaryStatus)
-async def canary_status(alias: str, request: Request) -> CanaryStatus:
+async def canary_status(alias: Alias, request: Request) -> CanaryStatus:
     """The route, the configured and observed split, success rate and latency per version over
     the analysis window, counters, and the last events."""
     store = _store(request)
@@ -98,7 +100,7 @@ async def canary_status(alias: str, request: Request) -> CanaryStatus:
 
 
 @router.post("/{alias}/promote", response_model=Route)
-async def promote(alias: str, request: Request) -> Route:
+async def promote(alias: Alias, request: Request) -> Route:
     """The canary becomes stable for everyone, now."""
     store = _store(request)
     route = await _transition(store, alias, canary.promoted)
@@ -108,7 +110,7 @@ async def promote(alias: str, request: Request) -> Route:
 
 
 @router.post("/{alias}/rollback", response_model=Route)
-async def rollback(alias: str, request: Request, body: CanaryRollback | None = None) -> Route:
+async def rollback(alias: Alias, request: Request, body: CanaryRollback | None = None) -> Route:
     """Everyone back on stable (canary weight 0); the canary stays named for the record."""
     store = _store(request)
     reason = (body or CanaryRollback()).reason
@@ -119,13 +121,13 @@ async def rollback(alias: str, request: Request, body: CanaryRollback | None = N
 
 
 @router.post("/{alias}/pause", response_model=Route)
-async def pause(alias: str, request: Request) -> Route:
+async def pause(alias: Alias, request: Request) -> Route:
     """Steps stop advancing; an automatic rollback still happens if the analysis fails."""
     return await _pause(_store(request), alias, True)
 
 
 @router.post("/{alias}/resume", response_model=Route)
-async def resume(alias: str, request: Request) -> Route:
+async def resume(alias: Alias, request: Request) -> Route:
     return await _pause(_store(request), alias, False)
 
 

@@ -3,8 +3,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from shared.canary import Event, Route, Thresholds
+from gateway.bounded import bounded
+from gateway.keys import Cohort
+from shared.canary import MAX_COHORTS, MAX_INTERVAL_S, MAX_STEPS, Event, Route, Thresholds
 from shared.canary_stats import VersionStats
+
+Version = bounded(128)
+Reason = bounded(500, min_length=0)
 
 
 class CanarySet(BaseModel):
@@ -12,14 +17,17 @@ class CanarySet(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: str = Field(description="The canary version (it may have no worker yet)")
-    stable: str | None = Field(None, description="Default: the route's stable, else the one other "
-                               "version of the alias")
+    version: Version = Field(description="The canary version (it may have no worker yet)")
+    stable: Version | None = Field(None, description="Default: the route's stable, else the one "
+                                   "other version of the alias")
     weight: float | None = Field(None, ge=0, le=100, description="Percent of keys to the canary; "
                                  "default: the first step, else 0 (cohorts only)")
-    steps: list[float] = Field(default_factory=list, description="Ascending weights in (0, 100]")
-    interval_s: int | None = Field(None, ge=1, description="Seconds between steps (needed with steps)")
-    cohorts: dict[str, str] = Field(default_factory=dict, description="Cohort -> version pins")
+    steps: list[float] = Field(default_factory=list, max_length=MAX_STEPS,
+                               description="Ascending weights in (0, 100]")
+    interval_s: int | None = Field(None, ge=1, le=MAX_INTERVAL_S,
+                                   description="Seconds between steps (needed with steps)")
+    cohorts: dict[Cohort, Version] = Field(default_factory=dict, max_length=MAX_COHORTS,
+                                           description="Cohort -> version pins")
     thresholds: Thresholds = Field(default_factory=Thresholds)
 
     @field_validator("steps")
@@ -39,7 +47,7 @@ class CanarySet(BaseModel):
 class CanaryRollback(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    reason: str = Field("rolled back by an admin", max_length=500)
+    reason: Reason = "rolled back by an admin"
 
 
 class VersionObserved(VersionStats):

@@ -5,26 +5,49 @@ import hashlib
 import hmac
 import secrets
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+
+from gateway.bounded import bounded
+from shared.errors import PermissionDenied
 
 SECRET_PREFIX = "sk-kvg-"
 Role = Literal["user", "admin"]
 Status = Literal["active", "revoked"]
+CacheScope = Literal["tenant", "key", "shared"]
 BOOTSTRAP_IDS = ("dev", "admin")  # ids of the keys that come from settings, not from Redis
+# Lua hands numbers back to Redis printed with 14 significant digits: limits stay below that, exact
+MAX_LIMIT = 10**12
+PRIORITY_BOUND = 100  # request priorities lie in [-100, 100]; lower is served first
+MAX_MODELS = 256
+MAX_METADATA = 16
+ModelName = bounded(256)
+Cohort = bounded(64)
+Owner = bounded(128)
+Metadata = dict[bounded(64), bounded(512, min_length=0)]  # OpenAI's metadata bounds
 
 
 class KeyLimits(BaseModel):
     """What a key may do; None means the gateway default (rpm, tpm) or no limit (the rest)."""
 
-    models: list[str] = Field(default_factory=list, description="Served names allowed; empty: all")
-    rpm: int | None = Field(None, ge=1, description="Requests per minute (default: the gateway's)")
-    tpm: int | None = Field(None, ge=1, description="Tokens per minute (default: the gateway's)")
-    max_concurrent: int | None = Field(None, ge=1, description="Requests in flight at once")
-    daily_tokens: int | None = Field(None, ge=1, description="Tokens per UTC day")
-    cache_isolation: bool = Field(False, description="Prefix-cache hits only within this key")
-    canary_cohort: str | None = Field(None, description="Canary cohort this key's traffic joins")
+    models: list[ModelName] = Field(default_factory=list, max_length=MAX_MODELS,
+                                    description="Served names allowed; empty: all")
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT,
+                            description="Requests per minute (default: the gateway's)")
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT,
+                            description="Tokens per minute (default: the gateway's)")
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT, description="Requests in flight at once")
+    daily_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT, description="Tokens per UTC day")
+    best_priority: int = Field(0, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND,
+                               description="The best (lowest) request priority the key may ask "
+                               "for; lower is served first. Default 0: a key may only lower its "
+                               "own priority. Admin keys may ask any")
+    cache_scope: CacheScope = Field("tenant", description="Whose prefix-cache hits this key's "
+                                    "requests share: tenant (keys with the same owner; a key "
+                                    "without one is its own tenant), key (only its own), shared "
+                                    "(every key that is shared too)")
+    canary_cohort: Cohort | None = Field(None, description="Canary cohort this key's traffic joins")
     version_override: bool = Field(False, description="May force a version with the "
                                    "x-kvgate-version request header")
     # stored-data quotas (shared/quota.py); None: the gateway's KVGATE_MAX_*_PER_KEY default
@@ -49,6 +72,16 @@ class KeyRecord(KeyLimits):
     rotated: float | None = Field(None, description="Unix time of the last rotation")
     metadata: dict[str, str] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_cache_isolation(cls, data: Any) -> Any:
+        """A record stored before cache_scope: isolation on reads as "key", off as the new default."""
+        if isinstance(data, dict) and "cache_isolation" in data:
+            data = dict(data)
+            isolated = data.pop("cache_isolation")
+            data.setdefault("cache_scope", "key" if isolated else "tenant")
+        return data
+
     def refusal(self, now: float | None = None) -> str | None:
         """Why this key may not be used now, or None."""
         if self.status == "revoked":
@@ -59,6 +92,25 @@ class KeyRecord(KeyLimits):
 
     def allows(self, model: str) -> bool:
         return not self.models or model in self.models
+
+    def check_priority(self, requested: int) -> None:
+        """403 when a request asks to be served sooner than this key may be (a silent clamp would
+        hide it); admin keys may ask any priority."""
+        if self.role == "admin" or requested >= self.best_priority:
+            return
+        raise PermissionDenied(
+            f"This key may ask for priority {self.best_priority} or higher (lower is served "
+            f"first); the request asked for {requested}", param="priority",
+            code="priority_not_allowed")
+
+    def cache_salt(self) -> str | None:
+        """The engine's prefix-cache salt: only requests with the same salt share cached blocks.
+        Hashed, so no owner name travels with requests; None shares with every unsalted request."""
+        if self.cache_scope == "shared":
+            return None
+        tenant = f"key\x00{self.id}" if self.cache_scope == "key" or self.owner is None \
+            else f"owner\x00{self.owner}"
+        return hashlib.sha256(tenant.encode()).hexdigest()[:32]
 
 
 def new_key_id() -> str:
@@ -75,5 +127,6 @@ def digest(server_secret: str, key_secret: str) -> str:
 
 
 def bootstrap_record(key_id: str, role: Role) -> KeyRecord:
-    """The record of a key that comes from settings (dev or admin key): gateway defaults."""
+    """The record of a key that comes from settings (dev or admin key): gateway defaults, and its
+    own tenant (no owner)."""
     return KeyRecord(id=key_id, name=key_id, role=role, created=0.0)

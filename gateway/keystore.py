@@ -1,13 +1,24 @@
-"""API keys in Redis: records by id, ids by name, ids by secret digest. No secret is ever stored."""
+"""API keys in Redis: records by id, ids by name, ids by secret digest. No secret is ever stored.
+
+Every write of an existing key is a read-modify-write under WATCH/MULTI: the record is read, the
+change applied in Python, and the transaction commits only if nobody wrote the key in between (else
+it reads again). So a PATCH that races a revoke applies to the revoked record, never over it, and
+of two rotations the second expires the first one's secret. (The JSON is merged in Python, not in
+Lua: Lua's cjson keeps 14 significant digits of a number.)
+"""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
+from redis.exceptions import WatchError
 
 from gateway.keys import KeyRecord, digest, new_key_id, new_secret
 from shared import names
 from shared.errors import Conflict, NotFound
+
+WRITE_RETRIES = 100  # every retry means another write committed: N racing writers need < N
 
 # One round trip from a digest to the record, so no gateway needs a cache that could hide a revoke.
 LOOKUP = """
@@ -23,6 +34,10 @@ redis.call('HSET', KEYS[2], 'record', ARGV[3], 'digest', ARGV[4])
 redis.call('SET', KEYS[3], ARGV[2])
 return 1
 """
+
+
+def _not_found(name_or_id: str) -> NotFound:
+    return NotFound(f"No API key named '{name_or_id}'", param="key", code="key_not_found")
 
 
 class KeyStore:
@@ -56,14 +71,13 @@ class KeyStore:
             return key_id.decode()
         if await self.redis.exists(names.key_record(name_or_id)):
             return name_or_id
-        raise NotFound(f"No API key named '{name_or_id}'", param="key", code="key_not_found")
+        raise _not_found(name_or_id)
 
     async def get(self, name_or_id: str) -> KeyRecord:
-        key_id = await self.resolve(name_or_id)
-        raw = await self.redis.hget(names.key_record(key_id), "record")
-        if raw is None:
-            raise NotFound(f"No API key named '{name_or_id}'", param="key", code="key_not_found")
-        return KeyRecord.model_validate_json(raw)
+        record = await self.by_id(await self.resolve(name_or_id))
+        if record is None:
+            raise _not_found(name_or_id)
+        return record
 
     async def by_id(self, key_id: str) -> KeyRecord | None:
         """The record of a key id (never a name): whose batch a batch line runs for."""
@@ -80,39 +94,87 @@ class KeyStore:
         records = [KeyRecord.model_validate_json(raw) for raw in await pipe.execute() if raw]
         return sorted(records, key=lambda r: (r.created, r.name))
 
-    async def save(self, old: KeyRecord, new: KeyRecord) -> KeyRecord:
-        """Write an updated record; a rename moves the name index (the new name must be free)."""
-        if new.name != old.name:
-            if not await self.redis.hsetnx(names.KEY_NAMES, new.name, new.id):
-                raise Conflict(f"A key named '{new.name}' already exists", param="name")
-            await self.redis.hdel(names.KEY_NAMES, old.name)
-        await self.redis.hset(names.key_record(new.id), "record", new.model_dump_json())
-        return new
+    async def update(self, key_id: str, edit: Callable[[KeyRecord], KeyRecord]) -> KeyRecord:
+        """Apply `edit` to the record as it is now and store the result; a rename moves the name
+        index in the same transaction (the new name must be free)."""
+        record_key = names.key_record(key_id)
+        for _ in range(WRITE_RETRIES):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(record_key)
+                old = _parsed(await pipe.hget(record_key, "record"), key_id)
+                new = edit(old)
+                if new == old:
+                    return old
+                if new.name != old.name:
+                    await self._claim_name(pipe, new)
+                pipe.multi()
+                if new.name != old.name:
+                    pipe.hset(names.KEY_NAMES, new.name, key_id)
+                    pipe.hdel(names.KEY_NAMES, old.name)
+                pipe.hset(record_key, "record", new.model_dump_json())
+                if await _committed(pipe):
+                    return new
+        raise _busy(key_id)
 
-    async def revoke(self, record: KeyRecord) -> KeyRecord:
+    async def revoke(self, key_id: str) -> KeyRecord:
         """Revoked at once on every replica (lookups read Redis); the record stays for audit."""
-        if record.status == "revoked":
-            return record
-        return await self.save(record, record.model_copy(update={"status": "revoked",
-                                                                 "revoked": time.time()}))
+        def revoked(record: KeyRecord) -> KeyRecord:
+            if record.status == "revoked":
+                return record
+            return record.model_copy(update={"status": "revoked", "revoked": time.time()})
+        return await self.update(key_id, revoked)
 
-    async def rotate(self, record: KeyRecord, grace_s: int) -> tuple[KeyRecord, str]:
-        """A new secret; the old one keeps working for `grace_s` seconds, then its digest expires."""
+    async def rotate(self, key_id: str, grace_s: int) -> tuple[KeyRecord, str]:
+        """A new secret; the current one keeps working for `grace_s` seconds, then its digest
+        expires (0: at once). Rotated-out digests always carry a TTL; only the current has none."""
         secret = new_secret()
         d = self.digest(secret)
-        old = await self.redis.hget(names.key_record(record.id), "digest")
-        rotated = record.model_copy(update={"rotated": time.time()})
-        pipe = self.redis.pipeline(transaction=True)
-        if old is not None:
-            if grace_s > 0:
-                pipe.expire(names.key_digest(old.decode()), grace_s)
-            else:
-                pipe.delete(names.key_digest(old.decode()))
-        pipe.set(names.key_digest(d), record.id)
-        pipe.hset(names.key_record(record.id), mapping={"record": rotated.model_dump_json(), "digest": d})
-        await pipe.execute()
-        return rotated, secret
+        record_key = names.key_record(key_id)
+        for _ in range(WRITE_RETRIES):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(record_key)
+                raw, current = await pipe.hmget(record_key, "record", "digest")
+                rotated = _parsed(raw, key_id).model_copy(update={"rotated": time.time()})
+                pipe.multi()
+                if current is not None:
+                    if grace_s > 0:
+                        pipe.expire(names.key_digest(current.decode()), grace_s)
+                    else:
+                        pipe.delete(names.key_digest(current.decode()))
+                pipe.set(names.key_digest(d), key_id)
+                pipe.hset(record_key, mapping={"record": rotated.model_dump_json(), "digest": d})
+                if await _committed(pipe):
+                    return rotated, secret
+        raise _busy(key_id)
+
+    @staticmethod
+    async def _claim_name(pipe, new: KeyRecord) -> None:
+        """Watch the name index and check the new name is free (or already this key's)."""
+        await pipe.watch(names.KEY_NAMES)
+        holder = await pipe.hget(names.KEY_NAMES, new.name)
+        if holder is not None and holder.decode() != new.id:
+            raise Conflict(f"A key named '{new.name}' already exists", param="name")
 
     @staticmethod
     def new_record(**fields) -> KeyRecord:
         return KeyRecord(id=new_key_id(), created=time.time(), **fields)
+
+
+def _parsed(raw: bytes | None, key_id: str) -> KeyRecord:
+    if raw is None:
+        raise _not_found(key_id)
+    return KeyRecord.model_validate_json(raw)
+
+
+async def _committed(pipe) -> bool:
+    """EXEC; False when a watched key changed since it was read (the caller reads again)."""
+    try:
+        await pipe.execute()
+        return True
+    except WatchError:
+        return False
+
+
+def _busy(key_id: str) -> Conflict:
+    return Conflict(f"API key '{key_id}' kept changing under {WRITE_RETRIES} concurrent writes; "
+                    "try again", param="key", code="concurrent_update")

@@ -117,7 +117,7 @@ def _entry(request: Request, lease: Lease, body, kind: str, version: str, prompt
         model=body.model, version=version, kind=kind, params=params, created=now,
         deadline=now + settings.request_timeout_s, key_id=lease.key.id,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
-        cache_salt=lease.key.id if lease.key.cache_isolation else None, trace=telemetry.inject(),
+        cache_salt=lease.key.cache_salt(), trace=telemetry.inject(),
         **prompt)
 
 

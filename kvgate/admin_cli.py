@@ -31,8 +31,12 @@ def limit_options(func):
         click.option("--daily-tokens", type=click.IntRange(min=1), help="Tokens per UTC day"),
         click.option("--expires", help="Lifetime from now: 12h, 30d, 2w ..."),
         click.option("--role", type=click.Choice(["user", "admin"])),
-        click.option("--cache-isolation/--shared-cache", default=None,
-                     help="Prefix-cache hits only within this key"),
+        click.option("--best-priority", type=click.IntRange(-100, 100),
+                     help="Best (lowest) request priority the key may ask for; lower is served "
+                     "first (default 0: it may only lower its own)"),
+        click.option("--cache-scope", type=click.Choice(["tenant", "key", "shared"]),
+                     help="Whose prefix-cache hits the key shares: tenant (same owner; the "
+                     "default), key (only its own), shared (every shared key)"),
         click.option("--canary-cohort", help="Canary cohort this key's traffic joins"),
         click.option("--version-override/--no-version-override", default=None,
                      help="May force a version with the x-kvgate-version header"),

@@ -22,6 +22,13 @@ from shared import names
 BUCKETS = 10_000
 MAX_EVENTS = 100  # events kept per alias
 CAS_RETRIES = 20
+# bounds of what an admin may set: Thresholds carries its own; steps, interval and cohorts are
+# bounded where they are set (gateway/canary_schemas.py), so a stored Route still reads as written
+MAX_RATIO = 1000.0
+MAX_SAMPLES = 1_000_000
+MAX_STEPS = 20
+MAX_INTERVAL_S = 30 * 86400
+MAX_COHORTS = 64
 Phase = Literal["canary", "rolled_back", "promoted"]
 BUILTIN_COHORTS = ("canary", "stable")  # a key's cohort may name a role instead of a version
 
@@ -40,12 +47,13 @@ class Thresholds(BaseModel):
 
     min_success_rate: float = Field(0.99, ge=0, le=1, description="Below this share of successful "
                                     "requests the canary fails")
-    max_ttft_ratio: float = Field(1.5, gt=0, description="Canary TTFT p95 above this many times "
-                                  "stable's fails")
-    max_tpot_ratio: float | None = Field(None, gt=0, description="Canary TPOT p95 above this many "
-                                         "times stable's fails; null: not checked")
-    min_samples: int = Field(50, ge=1, description="Requests the canary (and, for the latency "
-                             "ratios, stable) must have served in the window before it is judged")
+    max_ttft_ratio: float = Field(1.5, gt=0, le=MAX_RATIO, description="Canary TTFT p95 above "
+                                  "this many times stable's fails")
+    max_tpot_ratio: float | None = Field(None, gt=0, le=MAX_RATIO, description="Canary TPOT p95 "
+                                         "above this many times stable's fails; null: not checked")
+    min_samples: int = Field(50, ge=1, le=MAX_SAMPLES, description="Requests the canary (and, "
+                             "for the latency ratios, stable) must have served in the window "
+                             "before it is judged")
     window_s: int = Field(120, ge=5, le=86400, description="Sliding analysis window, seconds")
 
 

@@ -64,6 +64,13 @@ class GatewaySettings(FilesSettings):
                                      "its last interactive request (0: batches never yield)")
     worker_stale_s: float = Field(3.0, gt=0, description="A worker whose last heartbeat is older "
                                   "gets no canary-routed traffic (failover to another version)")
+    auth_failures_per_minute: int = Field(60, ge=1, description="Failed authentications (no, "
+                                          "unknown, revoked or expired key) a client address may "
+                                          "make per minute, per gateway process; beyond, every "
+                                          "request from it that needs a key gets 429")
+    public_per_minute: int = Field(1200, ge=1, description="Requests per minute a client address "
+                                   "may make to /healthz, /readyz and /metrics together, per "
+                                   "gateway process (429 beyond)")
 
 
 class WorkerSettings(CommonSettings):

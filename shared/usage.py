@@ -53,10 +53,17 @@ class UsageBook:
         pipe.expire(names.USAGE_DAYS_TO_FOLD, self.ttl_s)
         await pipe.execute()
 
+    def window_start(self, since: float, now: float | None = None) -> float:
+        """`since`, or the oldest time the retention still keeps counters for if that is later:
+        a report over an absurd span reads the retained days, not one empty day per day asked."""
+        now = time.time() if now is None else now
+        return max(since, now - self.ttl_s)
+
     async def query(self, since: float, key_id: str | None, by: GroupBy) -> list[dict]:
-        """Rows of counters since `since` (whole UTC days), grouped by model+version, day or key."""
+        """Rows of counters since `since` (whole UTC days, within the retention), grouped by
+        model+version, day or key."""
         rows: dict[tuple, dict] = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
-        for day in _days(since):
+        for day in _days(self.window_start(since)):
             counts = None if key_id else await _folded(self.redis, day)
             if counts is None:
                 counts = await _per_key(self.redis, day, key_id)

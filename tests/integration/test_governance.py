@@ -15,13 +15,18 @@ from pathlib import Path
 
 import httpx
 import openai
+import orjson
 import pytest
 import redis
 
 from tests.conftest import Stack, start_stack, stop_stack  # plain helpers (python -m pytest puts . on the path)
 
+ROOT = Path(__file__).resolve().parents[2]
 ENGINE = "hf"  # the gateway is under test here; the one-at-a-time baseline engine keeps timings plain
 MARKER = "zebra-quartz-prompt-marker"  # a prompt that must never reach a log
+# these tests fail authentication on purpose, many times, all from 127.0.0.1 (the throttle of failed
+# authentication has its own test, tests/integration/test_admin_hardening.py)
+THROTTLE_ENV = {"KVGATE_AUTH_FAILURES_PER_MINUTE": "100000"}
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                 "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
                 "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
@@ -52,7 +57,7 @@ class Gov:
 def _start_second_gateway(stack: Stack, admin_key: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "KVGATE_SECRET": (stack.state / "server.secret").read_text().strip(),
-           "KVGATE_API_KEY": stack.key, "KVGATE_ADMIN_KEY": admin_key}
+           "KVGATE_API_KEY": stack.key, "KVGATE_ADMIN_KEY": admin_key, **THROTTLE_ENV}
     log = open(stack.state / "gateway2.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "kvgate", "gateway", "--port", str(port),
                              "--redis-url", stack.redis_url], env=env, stdout=log,
@@ -79,7 +84,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def gov(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gov")
-    stack = start_stack(tiny_model_dir, root / ".kvgate", ENGINE)
+    stack = start_stack(tiny_model_dir, root / ".kvgate", ENGINE, extra_env=THROTTLE_ENV)
     admin_key = (stack.state / "admin.key").read_text().strip()
     second, url2 = _start_second_gateway(stack, admin_key)
     g = Gov(stack=stack, gateways=[stack.url, url2], admin_key=admin_key, second=second)
@@ -282,6 +287,68 @@ def test_every_documented_route_but_health_needs_a_key(gov):
     assert resp.status_code == 200 and resp.json()["data"]
 
 
+# -- concurrent admin writes (two gateways, one Redis) -----------------------------------------
+def _admin_fire(gov: Gov, calls: list[tuple[str, str, dict | None]]) -> list[httpx.Response]:
+    """All at once, alternating gateways: (method, path, json body) each."""
+    async def run() -> list[httpx.Response]:
+        headers = {"Authorization": f"Bearer {gov.admin_key}"}
+        limits = httpx.Limits(max_connections=len(calls) + 10)
+        async with httpx.AsyncClient(timeout=60, limits=limits, headers=headers) as client:
+            return await asyncio.gather(*(
+                client.request(method, gov.gateways[i % 2] + path, json=body)
+                for i, (method, path, body) in enumerate(calls)))
+    return asyncio.run(run())
+
+
+def test_patch_racing_revoke_never_reactivates_a_key(gov):
+    keys = [gov.create_key()[0] for _ in range(50)]
+    calls = [c for k in keys for c in (("PATCH", f"/admin/keys/{k['id']}", {"rpm": 77}),
+                                       ("POST", f"/admin/keys/{k['id']}/revoke", None))]
+    responses = _admin_fire(gov, calls)
+    assert [r.status_code for r in responses] == [200] * len(calls), [r.text for r in responses]
+    with gov.admin() as admin:
+        after = [admin.get(f"/admin/keys/{k['id']}").json() for k in keys]
+    assert all(k["status"] == "revoked" and k["revoked"] for k in after)
+    assert all(k["rpm"] in (None, 77) for k in after)
+    client = redis.Redis.from_url(gov.stack.redis_url)
+    stored = [orjson.loads(client.hget(f"kvgate:key:{k['id']}", "record")) for k in keys]
+    client.close()
+    assert {s["status"] for s in stored} == {"revoked"}
+
+
+def _digest_ttls(gov: Gov, key_id: str, secrets_: list[str]) -> tuple[str, dict[str, int]]:
+    """The key's current digest, and the TTL of every digest of `secrets_` (-2: gone)."""
+    import hashlib
+    import hmac
+
+    server_secret = (gov.stack.state / "server.secret").read_text().strip().encode()
+    client = redis.Redis.from_url(gov.stack.redis_url)
+    current = client.hget(f"kvgate:key:{key_id}", "digest").decode()
+    digests = [hmac.new(server_secret, s.encode(), hashlib.sha256).hexdigest() for s in secrets_]
+    ttls = {d: client.ttl(f"kvgate:keydigest:{d}") for d in digests}
+    client.close()
+    return current, ttls
+
+
+@pytest.mark.parametrize("grace_s", [30, 0])
+def test_concurrent_rotations_leave_one_current_secret(gov, grace_s):
+    record, first = gov.create_key()
+    responses = _admin_fire(gov, [("POST", f"/admin/keys/{record['id']}/rotate",
+                                   {"grace_s": grace_s})] * 20)
+    assert [r.status_code for r in responses] == [200] * 20, [r.text for r in responses]
+    made = [first] + [r.json()["secret"] for r in responses]
+    gov.secrets_made.extend(made[1:])
+    current, ttls = _digest_ttls(gov, record["id"], made)
+    assert ttls[current] == -1
+    assert [d for d, ttl in ttls.items() if ttl == -1] == [current]  # the only digest without a TTL
+    assert all(-2 < ttl <= grace_s if grace_s else ttl == -2 for d, ttl in ttls.items() if d != current)
+    statuses = [_status(gov.gateways[i % 2], s) for i, s in enumerate(made)]
+    if grace_s == 0:
+        assert sorted(statuses) == [200] + [401] * 20  # only the current secret authenticates
+    else:
+        assert all(s == 200 for s in statuses)  # every rotated-out secret within its grace
+
+
 # -- usage and validation ------------------------------------------------------------------
 def test_usage_totals_equal_what_clients_were_told(gov):
     record, secret = gov.create_key()
@@ -361,6 +428,8 @@ def test_every_v1_response_carries_rate_limit_headers(gov):
 # -- the CLI -----------------------------------------------------------------------------------
 def _cli(gov: Gov, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("KVGATE_URL", "KVGATE_ADMIN_KEY")}
+    # run from the stack's folder (where .kvgate/ is), with this checkout's code, not the install's
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-m", "kvgate", *args], cwd=gov.stack.state.parent, env=env,
                          capture_output=True, text=True, timeout=60)
     assert (out.returncode == 0) == ok, out.stdout + out.stderr
@@ -371,7 +440,7 @@ def _cli(gov: Gov, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
 def test_cli_end_to_end(gov):
     created = _cli(gov, "keys", "create", "--name", "cli-alice", "--models", "demo", "--rpm", "60",
                    "--tpm", "100000", "--max-concurrent", "4", "--daily-tokens", "2000000",
-                   "--expires", "30d")
+                   "--expires", "30d", "--best-priority", "-5", "--cache-scope", "key")
     secret = created.stdout.strip().splitlines()[-1]
     assert secret.startswith("sk-kvg-") and created.stdout.strip() == secret
     gov.secrets_made.append(secret)
@@ -380,6 +449,12 @@ def test_cli_end_to_end(gov):
     listed = json.loads(_cli(gov, "keys", "list", "--json").stdout)
     alice = next(k for k in listed if k["name"] == "cli-alice")
     assert (alice["rpm"], alice["max_concurrent"], alice["models"]) == (60, 4, ["demo"])
+    assert (alice["best_priority"], alice["cache_scope"]) == (-5, "key")
+    updated = json.loads(_cli(gov, "keys", "update", "cli-alice", "--cache-scope", "shared",
+                              "--best-priority", "10", "--json").stdout)
+    assert (updated["best_priority"], updated["cache_scope"]) == (10, "shared")
+    default = next(k for k in listed if k["name"] != "cli-alice")
+    assert (default["best_priority"], default["cache_scope"]) == (0, "tenant")
     assert "cli-alice" in _cli(gov, "keys", "list").stdout
     client = openai.OpenAI(base_url=gov.gateways[1] + "/v1", api_key=secret, max_retries=0)
     resp = client.completions.create(model="demo", prompt=MARKER, max_tokens=2)
