@@ -58,6 +58,7 @@ async def completions(body: CompletionRequest, request: Request, lease: Lease = 
 async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, logprobs: int | None):
     state = request.app.state
     check_model_allowed(lease.key, body.model)
+    lease.key.check_priority(body.priority)
     check_output_limits(body.min_tokens, body.limit())
     outcome = await state.router.choose(body.model, lease.key, request.headers.get(VERSION_HEADER))
     version = outcome.version

@@ -294,7 +294,7 @@ def test_overload_sheds_with_503_and_short_requests_are_not_starved(cluster):
     cluster.start_gateway(KVGATE_MAX_STREAM_DEPTH="40")
     cluster.start_worker("w1", "--max-num-seqs", "8", "--kv-cache-memory", str(48 * 16 * 512),
                          "--max-num-batched-tokens", "64")
-    long_body = dict(prompt="long " * 40, max_tokens=100)
+    long_body = dict(prompt="long " * 40, max_tokens=100, priority=1)  # a key may only lower its own
 
     async def scenario():
         async with _client(200) as client:
@@ -302,7 +302,7 @@ def test_overload_sheds_with_503_and_short_requests_are_not_starved(cluster):
                 return [asyncio.create_task(_stream(client, cluster.url, b)) for b in bodies]
             longs = go([_body(i, **long_body) for i in range(30)])
             await asyncio.sleep(0.5)
-            shorts = go([_body(i, 4, priority=-1) for i in range(30)])
+            shorts = go([_body(i, 4) for i in range(30)])
             await asyncio.sleep(0.1)
             burst = go([_body(i, **long_body) for i in range(90)])  # 5x what it can hold
             return [await asyncio.gather(*t) for t in (longs, shorts, burst)]

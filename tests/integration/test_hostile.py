@@ -111,6 +111,7 @@ V1_CASES = [
     ("top_logprobs too large", "/v1/chat/completions",
      _raw({**CHAT, "logprobs": True, "top_logprobs": 50}), 422, "top_logprobs"),
     ("user too long", "/v1/chat/completions", _raw({**CHAT, "user": "u" * 600}), 422, "user"),
+    ("priority better than the key's", "/v1/completions", _raw({**TEXT, "priority": -5}), 403, "priority"),
 ] + [
     (f"{field} beyond 64 bits", "/v1/completions", _raw({**TEXT, field: "X"}, X=str(BIG)), 422, field)
     for field in ("max_tokens", "seed", "n", "top_k", "priority", "min_tokens", "logprobs")
