@@ -1,6 +1,8 @@
 """Request and response bodies of /admin/canary."""
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from gateway.bounded import bounded
@@ -22,8 +24,8 @@ class CanarySet(BaseModel):
                                    "other version of the alias")
     weight: float | None = Field(None, ge=0, le=100, description="Percent of keys to the canary; "
                                  "default: the first step, else 0 (cohorts only)")
-    steps: list[float] = Field(default_factory=list, max_length=MAX_STEPS,
-                               description="Ascending weights in (0, 100]")
+    steps: list[Annotated[float, Field(gt=0, le=100)]] = Field(
+        default_factory=list, max_length=MAX_STEPS, description="Ascending weights in (0, 100]")
     interval_s: int | None = Field(None, ge=1, le=MAX_INTERVAL_S,
                                    description="Seconds between steps (needed with steps)")
     cohorts: dict[Cohort, Version] = Field(default_factory=dict, max_length=MAX_COHORTS,
