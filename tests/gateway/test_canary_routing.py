@@ -138,8 +138,8 @@ async def test_failover_to_stable_when_the_canary_has_no_live_worker(replicas, a
         await a.choose(other, _key())
 
 
-async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, alias):
-    a, _ = replicas
+async def _queued_for_dead_v2(a: Router, alias: str, schema: int = protocol.SCHEMA_VERSION) -> str:
+    """v1 live and on the route; three entries queued for v2, which has no live worker."""
     await _heartbeat(a.redis, alias, "v1")
     await _put(a, alias, weight=100)
     dead = names.request_stream(alias, "v2")
@@ -148,7 +148,13 @@ async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, a
         entry = protocol.RequestEntry(request_id=f"r{i}", reply_channel="c", model=alias,
                                       version="v2", kind="completion", prompt="hi", created=0.0,
                                       deadline=time.time() + 60)
-        await a.redis.xadd(dead, {protocol.ENTRY_FIELD: protocol.encode(entry)})
+        await a.redis.xadd(dead, {protocol.ENTRY_FIELD: protocol.encode(entry, version=schema)})
+    return dead
+
+
+async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, alias):
+    a, _ = replicas
+    dead = await _queued_for_dead_v2(a, alias)
     await a.route_of(alias)  # the sweep looks at routes this process has served
     assert await a.sweep() == 3
     moved = await a.redis.xrange(names.request_stream(alias, "v1"))
@@ -161,15 +167,7 @@ async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, a
 async def test_a_rescue_respects_the_target_depth_keeps_the_schema_and_resumes_its_own_reads(replicas, alias):
     a, _ = replicas
     a.max_stream_depth = 2
-    await _heartbeat(a.redis, alias, "v1")
-    await _put(a, alias, weight=100)
-    dead = names.request_stream(alias, "v2")
-    await a.redis.xgroup_create(dead, names.CONSUMER_GROUP, id="0", mkstream=True)
-    for i in range(3):
-        entry = protocol.RequestEntry(request_id=f"r{i}", reply_channel="c", model=alias,
-                                      version="v2", kind="completion", prompt="hi", created=0.0,
-                                      deadline=time.time() + 60)
-        await a.redis.xadd(dead, {protocol.ENTRY_FIELD: protocol.encode(entry, version=1)})
+    dead = await _queued_for_dead_v2(a, alias, schema=1)
     # an earlier sweep of this gateway read one entry and died before moving it
     await a.redis.xreadgroup(names.CONSUMER_GROUP, "kvgate-rescuer", {dead: ">"}, count=1)
     await a.route_of(alias)
