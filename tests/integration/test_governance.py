@@ -453,11 +453,13 @@ def test_cli_end_to_end(gov):
     updated = json.loads(_cli(gov, "keys", "update", "cli-alice", "--cache-scope", "shared",
                               "--best-priority", "10", "--json").stdout)
     assert (updated["best_priority"], updated["cache_scope"]) == (10, "shared")
-    default = next(k for k in listed if k["name"] != "cli-alice")
+    default, _ = gov.create_key()  # made without either field
     assert (default["best_priority"], default["cache_scope"]) == (0, "tenant")
     assert "cli-alice" in _cli(gov, "keys", "list").stdout
     client = openai.OpenAI(base_url=gov.gateways[1] + "/v1", api_key=secret, max_retries=0)
-    resp = client.completions.create(model="demo", prompt=MARKER, max_tokens=2)
+    with pytest.raises(openai.PermissionDeniedError, match="priority 10 or higher"):
+        client.completions.create(model="demo", prompt=MARKER, max_tokens=2)  # asks for 0
+    resp = client.completions.create(model="demo", prompt=MARKER, max_tokens=2, extra_body={"priority": 10})
     usage = json.loads(_cli(gov, "usage", "--key", "cli-alice", "--json").stdout)
     assert usage["rows"][0]["total_tokens"] == resp.usage.total_tokens
     assert "cli-alice" in _cli(gov, "keys", "revoke", "cli-alice").stdout

@@ -76,13 +76,14 @@ class Replies:
 
 def deliver_times(client: redis.Redis, raw: bytes, times: int) -> bytes:
     """XADD an entry and hand it to `times` consumers that are not workers (no registry entry: dead
-    to a live worker), the first read atomic with the XADD so no live worker reads it first; the
+    to a live worker), the first read atomic with the XADD so no live worker reads it first (the
+    stream must hold no other undelivered entry: a read takes the oldest); the
     last claim leaves it idle long past the heartbeat TTL, so the next claim pass takes it."""
     with client.pipeline(transaction=True) as tx:
         tx.xadd(STREAM, {protocol.ENTRY_FIELD: raw})
         tx.xreadgroup(names.CONSUMER_GROUP, "dead-1", {STREAM: ">"}, count=1)
         entry_id, read = tx.execute()
-    assert read, "the entry was not delivered to dead-1"
+    assert read and read[0][1][0][0] == entry_id, "dead-1 read another entry than the one added"
     for i in range(2, times + 1):
         idle = 60_000 if i == times else 0
         assert client.xclaim(STREAM, names.CONSUMER_GROUP, f"dead-{i}", min_idle_time=0,
@@ -122,12 +123,14 @@ def test_three_poison_requests_among_twenty_streams_fail_alone(cluster):
     }
 
     async def mixed():
+        # first, while nothing else waits in the stream (the first undelivered entry is what
+        # the dead consumer reads); the workers take it over at their next claim pass, ~0.3 s on
+        deliver_times(cluster.client, protocol.encode(poison["delivered-3x"]), 3)
         async with _client(n) as client:
             tasks = [asyncio.create_task(_stream(client, cluster.url, _body(i, 16))) for i in range(n)]
             await asyncio.sleep(0.05)  # the streams are being admitted when the poison arrives
             for rid in ("oov-prompt", "oov-stop"):
                 cluster.client.xadd(STREAM, {protocol.ENTRY_FIELD: protocol.encode(poison[rid])})
-            deliver_times(cluster.client, protocol.encode(poison["delivered-3x"]), 3)
             return await asyncio.gather(*tasks)
 
     results = asyncio.run(mixed())
