@@ -28,6 +28,7 @@ def stack(tiny_model_dir, tmp_path_factory):
     s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("hostile"), "paged",
                     extra_env={"KVGATE_MAX_MODEL_LEN": "128"})
     s.admin_key = (s.state / "admin.key").read_text().strip()
+    s.pids = {role: _child_pid(s, role) for role in ("gateway", "worker")}
     yield s
     stop_stack(s.proc)
 
@@ -176,18 +177,12 @@ def test_hostile_requests_on_every_route_get_clear_errors(stack, name, method, p
     _assert_error(resp, status, param)
 
 
-def test_a_request_that_refused_costs_no_token_budget_and_the_stack_serves_after(stack):
-    resp = _send(stack, "POST", "/v1/completions", _raw({**TEXT, "max_tokens": 3, "ignore_eos": True}))
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["usage"]["completion_tokens"] == 3
-
-
-def _gateway_pid(stack: Stack) -> int:
-    port = stack.url.rsplit(":", 1)[1]
+def _child_pid(stack: Stack, role: str) -> int:
+    """The pid of `kvgate up`'s gateway or worker (a restarted child would have another)."""
     for proc in psutil.Process(stack.proc.pid).children(recursive=True):
-        if "gateway" in proc.cmdline() and port in proc.cmdline():
+        if proc.cmdline()[1:4] == ["-m", "kvgate", role]:
             return proc.pid
-    raise AssertionError("no gateway process under kvgate up")
+    raise AssertionError(f"no {role} process under kvgate up")
 
 
 def _rss_mb(pid: int) -> float:
@@ -209,7 +204,7 @@ async def _flood(stack: Stack, names: list[str]) -> list[int]:
 def test_a_flood_of_made_up_model_names_leaves_gateway_memory_flat(stack):
     import asyncio
 
-    pid = _gateway_pid(stack)
+    pid = _child_pid(stack, "gateway")
     asyncio.run(_flood(stack, [secrets.token_hex(100) for _ in range(300)]))  # warm up
     before = _rss_mb(pid)
     huge = [secrets.token_hex(50_000) for _ in range(2000)]  # 100 KB names: refused by the schema
@@ -237,3 +232,11 @@ def test_schemathesis_finds_no_server_error(stack, who, tmp_path):
     generated = [int(line.split()[0]) for line in run.stdout.splitlines() if "generated," in line]
     assert generated and generated[0] > 500, tail  # it really exercised the API
     print(f"schemathesis ({who} key): {generated[0]} cases, no server error")
+
+
+def test_after_the_whole_suite_the_same_processes_serve_a_normal_request(stack):
+    """Last in this module: every case above ran against these processes."""
+    assert {role: _child_pid(stack, role) for role in stack.pids} == stack.pids
+    resp = _send(stack, "POST", "/v1/completions", _raw({**TEXT, "max_tokens": 3, "ignore_eos": True}))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 3
