@@ -95,3 +95,16 @@ def stack(request, tiny_model_dir, tmp_path_factory):
     yield s
     stop_stack(s.proc)
     assert s.proc.returncode == 0, f"kvgate up exited with {s.proc.returncode}"
+
+
+def wire_entry(request_id: str, channel: str, max_tokens: int = 8, **fields):
+    """A request entry as a gateway would XADD it (greedy, ignore_eos), for tests that play the
+    gateway at the protocol level; `params` overrides sampling fields."""
+    from shared import protocol
+
+    now = time.time()
+    params = protocol.WireParams(**{"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                                    **fields.pop("params", {})})
+    return protocol.RequestEntry(request_id=request_id, reply_channel=channel, model="demo",
+                                 version="v1", kind="completion", created=now, deadline=now + 60,
+                                 params=params, **fields)

@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from shared import names, protocol
+from tests.conftest import wire_entry
 from tests.integration.test_faults import HEADERS, Cluster, _body, _client, _stream, _wait
 
 STREAM = names.request_stream("demo", "v1")
@@ -38,13 +39,7 @@ def start_all(cluster: Cluster, workers: dict[str, dict]) -> dict:
         return {w: f.result() for w, f in procs.items()}
 
 
-def entry(request_id: str, channel: str, **fields) -> protocol.RequestEntry:
-    now = time.time()
-    params = protocol.WireParams(**{"max_tokens": 8, "temperature": 0, "ignore_eos": True,
-                                    **fields.pop("params", {})})
-    return protocol.RequestEntry(request_id=request_id, reply_channel=channel, model="demo",
-                                 version="v1", kind="completion", created=now, deadline=now + 60,
-                                 params=params, **fields)
+entry = wire_entry
 
 
 class Replies:

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from shared import names, protocol
+from tests.conftest import wire_entry
 from tests.integration.test_faults import Cluster
 from worker import checkpoint
 
@@ -53,12 +54,7 @@ class Channel:
 
 
 def entry(request_id: str, channel: str, **fields) -> protocol.RequestEntry:
-    now = time.time()
-    params = protocol.WireParams(**{"max_tokens": 6, "temperature": 0, "ignore_eos": True,
-                                    **fields.pop("params", {})})
-    return protocol.RequestEntry(request_id=request_id, reply_channel=channel, model="demo",
-                                 version="v1", kind="completion", created=now, deadline=now + 60,
-                                 params=params, **fields)
+    return wire_entry(request_id, channel, max_tokens=6, **fields)
 
 
 def xadd(cluster: Cluster, raw: bytes) -> None:
