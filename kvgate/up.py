@@ -102,7 +102,10 @@ class Stack:
         self._up_log = JsonFormatter("up")
 
     def start_redis(self, port: int, password: str) -> RedisServer:
-        self.redis = RedisServer(port=port, data_dir=self.state / "redis", password=password)
+        # persistent (append-only, fsync every second): keys, limits and queued requests outlive a
+        # restart of Redis, which supervision does on its own
+        self.redis = RedisServer(port=port, data_dir=self.state / "redis", password=password,
+                                 persist=True)
         self.children.append(Child("redis", lambda: self.redis.start().proc, None,
                                    self.state / "redis.pid"))
         return self.redis

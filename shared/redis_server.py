@@ -56,7 +56,8 @@ class RedisServer:
         args = [find_redis_server(), "-",  # "-": more configuration on stdin (the password)
                 "--port", str(self.port), "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--protected-mode", "yes", "--daemonize", "no",
-                "--save", "60 1" if self.persist else "", "--appendonly", "no",
+                "--save", "60 1" if self.persist else "",
+                "--appendonly", "yes" if self.persist else "no", "--appendfsync", "everysec",
                 "--loglevel", "warning"]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)

@@ -91,8 +91,13 @@ def test_up_restarts_what_dies_and_its_redis_wants_the_password(tiny_model_dir, 
         _until(lambda: _task_ran_in(state / "celery-worker.log", celery), 60,
                "the new Celery worker to run a task")
 
-        _kill(state, "redis")  # a new, empty Redis (kvgate up's does not persist), same password
+        admin = {"Authorization": f"Bearer {(state / 'admin.key').read_text().strip()}"}
+        made = httpx.post(stack.url + "/admin/keys", json={"name": "survivor"}, headers=admin, timeout=30)
+        assert made.status_code == 201, made.text
+        time.sleep(1.5)  # the append-only file is written every second
+        _kill(state, "redis")  # started again on its append-only file, same password
         _until(lambda: _served(stack.url, stack.key), 60, "the stack to serve from the new Redis")
+        assert _served(stack.url, made.json()["secret"]), "a key made before the restart still works"
         assert stack.proc.poll() is None, "kvgate up must stay up"
         assert _pid(state, "worker") == new_worker, "a Redis restart is waited out, not fatal"
     finally:
