@@ -21,6 +21,18 @@ class Facts:
     schema: int | None = None  # the protocol schema to write entries in (None: the oldest, 1)
 
 
+def _info(raw: bytes | None) -> dict | None:
+    """A registry entry, or None for one this gateway cannot use (gone, not JSON, or without the
+    name and version a worker of any release writes): one odd entry must not fail every request."""
+    try:
+        info = orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("served_name", "version")):
+        return None
+    return info
+
+
 def _smallest(workers: list[dict], field: str) -> int | None:
     values = [w[field] for w in workers if isinstance(w.get(field), int)]
     return min(values) if values else None
@@ -41,7 +53,7 @@ class Registry:
             return self._workers
         ids = await self.redis.zrangebyscore(names.WORKERS_ZSET, time.time(), "+inf")
         infos = await self.redis.mget([names.worker_key(i.decode()) for i in ids]) if ids else []
-        self._workers = [orjson.loads(raw) for raw in infos if raw]
+        self._workers = [w for w in map(_info, infos) if w is not None]
         self._seen.update(w["served_name"] for w in self._workers)
         self._fetched = time.monotonic()
         return self._workers

@@ -185,3 +185,15 @@ async def test_made_up_model_names_never_grow_the_route_cache(replicas):
     for _ in range(ROUTE_CACHE_SIZE + 200):
         assert await a.route_of("made-up-" + secrets.token_hex(8)) is None
     assert len(a._routeless) == ROUTE_CACHE_SIZE and not a._routes
+
+
+async def test_an_odd_registry_entry_is_skipped_not_fatal(replicas, alias):
+    a, _ = replicas
+    for worker_id, raw in (("odd-empty", b"{}"), ("odd-text", b"not json"), ("odd-list", b"[1]")):
+        await a.redis.set(names.worker_key(worker_id), raw, ex=30)
+        await a.redis.zadd(names.WORKERS_ZSET, {worker_id: time.time() + 30})
+    await _heartbeat(a.redis, alias, "v1")
+    assert (await a.choose(alias, _key())).version == "v1"
+    assert all(isinstance(w["served_name"], str) for w in await a.registry.live_workers())
+    for worker_id in ("odd-empty", "odd-text", "odd-list"):
+        await a.redis.zrem(names.WORKERS_ZSET, worker_id)
