@@ -321,6 +321,9 @@ class WorkerService:
         if delivered:
             self.counters["requests_resumed"] += 1
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
+        if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
+            self.outbox.reply(entry.reply_channel, protocol.Delta(
+                request_id=rid, seq=self.active[rid].next_seq()), entry.v)
 
     def _decode(self, stream: str, entry_id: bytes, raw: bytes,
                 delivered: int) -> protocol.RequestEntry | None:
