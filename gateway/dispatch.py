@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import redis.asyncio as aioredis
 
@@ -223,3 +223,50 @@ class Handle:
             self.dispatcher.cancel_soon(self.request_id, reason)
         self.dispatcher.release(self.request_id)
 
+
+class Lookahead:
+    """A request's replies with the first one awaited before the response starts: a streamed
+    response sends its 200 only once the worker has admitted the request (its first reply, the
+    empty admission delta) or the wait is over, so a refusal before that is an HTTP error."""
+
+    def __init__(self, replies: AsyncIterator, poll_s: float = 1.0):
+        self._replies = replies
+        self._poll_s = poll_s  # how often the wait checks that the client is still there
+        self._first = None
+        self._pending: asyncio.Task | None = None
+
+    async def wait_first(self, timeout: float, gone: Callable[[], Awaitable[bool]]) -> bool:
+        """Until the first reply that is not a keep-alive, or `timeout`; a refusal raises. False
+        when the client left meanwhile."""
+        deadline = time.monotonic() + timeout
+        while self._first is None and (left := deadline - time.monotonic()) > 0:
+            if self._pending is None:
+                self._pending = asyncio.create_task(self._next())
+            done, _ = await asyncio.wait({self._pending}, timeout=min(left, self._poll_s))
+            if not done:
+                if await gone():
+                    return False
+                continue
+            task, self._pending = self._pending, None
+            if (reply := task.result()) is not KEEPALIVE:
+                self._first = reply
+        return True
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+    async def _next(self):
+        return await anext(self._replies)
+
+    async def __aiter__(self):
+        if self._first is not None:
+            yield self._first
+        if self._pending is not None:  # the wait ended before the first reply: it comes here
+            task, self._pending = self._pending, None
+            try:
+                yield await task
+            except StopAsyncIteration:
+                return
+        async for reply in self._replies:
+            yield reply

@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import estimate
 from gateway.admission import Lease, admit, set_ratelimit_headers
-from gateway.dispatch import KEEPALIVE, Handle
-from gateway.routing import VERSION_HEADER, Outcome, observed, version_header
+from gateway.dispatch import KEEPALIVE, Handle, Lookahead
+from gateway.routing import VERSION_HEADER, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.validation import check_context, check_model_allowed, check_output_limits, check_token_ids
 from shared import logs, names, protocol, telemetry
@@ -76,21 +76,47 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
         lease.outcome = outcome
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     shape = _Shape(kind, entry.request_id, body.model, body.n)
+    replies = observed(handle.replies(state.settings.keepalive_s), outcome)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _sse(handle, shape, lease, usage, state.settings.keepalive_s, outcome)
-        return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return await _stream(request, handle, replies, shape, lease, usage, headers)
     try:
-        result = await _unless_gone(request, _collect(handle, shape, state.settings.keepalive_s, outcome))
-    except KvgateError as exc:  # an error the version answered with still names the version
-        exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
-        raise
+        result = await _unless_gone(request, _collect(replies, shape))
+    except KvgateError as exc:
+        raise _naming(exc, headers)
     finally:
         handle.close("client_gone")
     if result is None:  # the client left: nobody to answer (the close above cancelled the request)
         return Response(status_code=499)
     lease.usage = result["usage"]
     return JSONResponse(result, headers=headers)
+
+
+def _naming(exc: KvgateError, headers: dict) -> KvgateError:
+    """An error the version answered with still names the version (and the request id)."""
+    exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
+    return exc
+
+
+async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shape: _Shape,
+                  lease: Lease, include_usage: bool, headers: dict) -> Response:
+    """The 200 goes out once the worker admitted the request (its first reply) or after
+    KVGATE_ADMISSION_WAIT_S, whichever is first: a refusal before then is an HTTP error with its
+    status, even for `stream: true`; one after it is an SSE error event."""
+    ahead, here = Lookahead(replies, DISCONNECT_POLL_S), False
+    try:
+        here = await ahead.wait_first(request.app.state.settings.admission_wait_s,
+                                      request.is_disconnected)
+    except KvgateError as exc:
+        raise _naming(exc, headers)
+    finally:
+        if not here:  # refused, or the client left: the close cancels what may still run
+            ahead.cancel()
+            handle.close("not_started")
+    if not here:
+        return Response(status_code=499)
+    gen = _sse(handle, ahead, shape, lease, include_usage)
+    return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
 
 
 @telemetry.traced("limits.tokens")
@@ -184,11 +210,11 @@ def _text_logprobs(lps: list[dict] | None) -> dict | None:
             "top_logprobs": [dict(e["top"]) for e in lps]}
 
 
-async def _collect(handle: Handle, shape: _Shape, keepalive_s: float, outcome: Outcome) -> dict:
+async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, list] = {}
-    async for reply in observed(handle.replies(keepalive_s), outcome):
+    async for reply in replies:
         if isinstance(reply, protocol.Delta):
             texts[reply.index] = texts.get(reply.index, "") + reply.text
             if reply.logprobs is not None:
@@ -217,19 +243,19 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
-               keepalive_s: float, outcome: Outcome) -> AsyncIterator[bytes]:
+async def _sse(handle: Handle, replies: Lookahead, shape: _Shape, lease: Lease,
+               include_usage: bool) -> AsyncIterator[bytes]:
     """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
     try:
         if shape.kind == "chat":
             yield _event(shape.chunk(shape.role_choices()))
         try:
-            async for reply in observed(handle.replies(keepalive_s), outcome):
+            async for reply in replies:
                 if reply is KEEPALIVE:
                     yield b": keep-alive\n\n"
                 elif isinstance(reply, protocol.Delta):
                     if not (reply.text or reply.finish_reason or reply.logprobs):
-                        continue  # text held back by the detokenizer: nothing to show yet
+                        continue  # the admission verdict, or text the detokenizer holds back
                     yield _event(shape.chunk([shape.delta_choice(reply)]))
                 elif isinstance(reply, protocol.Done):
                     lease.usage = _usage(reply)
@@ -240,6 +266,7 @@ async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
             yield _event(exc.to_openai())
         yield b"data: [DONE]\n\n"
     finally:
+        replies.cancel()
         handle.close("client_disconnected")
 
 

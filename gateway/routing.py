@@ -57,7 +57,7 @@ class Outcome:
     ok: bool | None = None
 
     def saw(self, reply) -> None:
-        if isinstance(reply, protocol.Delta):
+        if isinstance(reply, protocol.Delta) and (reply.token_ids or reply.text):  # not the verdict
             self.last = time.monotonic()
             self.first = self.first or self.last
             self.tokens[reply.index] = self.tokens.get(reply.index, 0) + len(reply.token_ids)

@@ -62,6 +62,24 @@ def test_models_lists_live_served_name(client):
     assert [m.id for m in client.models.list().data] == ["demo"]
 
 
+LONG_TEXT = "lorem ipsum dolor " * 1000  # over 2,048 tokens (the tiny model's context) by any count
+
+
+def test_a_stream_over_the_context_is_a_400_before_any_byte(client, stack):
+    """Only the worker can count a text prompt's tokens: the gateway waits for its verdict."""
+    context = stack.worker_info()["max_model_len"]
+    calls = [lambda: client.completions.create(model="demo", prompt=LONG_TEXT, max_tokens=8,
+                                               stream=True),
+             lambda: client.chat.completions.create(  # and without max_tokens
+                 model="demo", messages=[{"role": "user", "content": LONG_TEXT}], stream=True)]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.code == "context_length_exceeded" and str(context) in refused.value.message
+        assert refused.value.response.headers["content-type"] == "application/json"
+        assert refused.value.response.headers["x-kvgate-version"] == "v1"
+
+
 def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

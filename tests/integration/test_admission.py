@@ -1,0 +1,80 @@
+"""Streams and what is known before their first byte, through `kvgate up` and the openai client: a
+refusal is an HTTP error; a request queued past KVGATE_ADMISSION_WAIT_S gets its 200 then and
+streams later (a refusal after that is an SSE error event).
+
+One slot (KVGATE_MAX_NUM_SEQS=1), so a request can be queued behind another."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import start_stack, stop_stack
+
+WAIT_S = 0.3
+CONTEXT = 768
+ENV = {"KVGATE_ADMISSION_WAIT_S": str(WAIT_S), "KVGATE_MAX_NUM_SEQS": "1", "KVGATE_MAX_MODEL_LEN": str(CONTEXT)}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("admission"), "paged", extra_env=ENV)
+    yield s
+    stop_stack(s.proc)
+
+
+def _admin(stack, method: str, path: str, **kwargs) -> httpx.Response:
+    admin_key = (stack.state / "admin.key").read_text().strip()
+    return httpx.request(method, stack.url + path, timeout=30, **kwargs,
+                         headers={"Authorization": f"Bearer {admin_key}"})
+
+
+def _client(stack, key: str | None = None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key or stack.key, max_retries=0,
+                         timeout=60)
+
+
+def test_a_completion_the_worker_refuses_is_a_400_before_any_byte(stack):
+    """max_tokens = the context - 1 passes the gateway's check, the prompt's tokens do not fit with
+    it: only the worker, which counts them, can refuse it."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        _client(stack).completions.create(model="demo", prompt="Hello", max_tokens=CONTEXT - 1,
+                                          stream=True)
+    assert refused.value.code == "context_length_exceeded"
+    assert f"exceeds max_model_len of {CONTEXT} tokens" in refused.value.message
+
+
+def _timed_create(client: openai.OpenAI, **body):
+    """The stream and when its headers came."""
+    stream = client.completions.create(model="demo", stream=True, **body)
+    return stream, time.monotonic()
+
+
+def test_a_request_queued_past_the_wait_gets_its_200_then_streams(stack):
+    client = _client(stack)
+    busy = iter(client.completions.create(model="demo", prompt="Hello", max_tokens=CONTEXT - 8,
+                                          stream=True, extra_body={"ignore_eos": True}))
+    next(busy)  # it holds the one slot now, for a few seconds
+
+    def busy_ends() -> float:
+        assert [c.choices[0].finish_reason for c in busy][-1] == "length"
+        return time.monotonic()
+
+    with ThreadPoolExecutor(3) as pool:
+        start = time.monotonic()
+        ended = pool.submit(busy_ends)
+        ok = pool.submit(_timed_create, client, prompt="Queued", max_tokens=8,
+                         extra_body={"ignore_eos": True})
+        late = pool.submit(_timed_create, client, prompt="Hello", max_tokens=CONTEXT - 1)
+        (queued, queued_at), (refused, refused_at) = ok.result(), late.result()
+        chunks = list(queued)
+        busy_end = ended.result()
+    assert min(queued_at, refused_at) - start >= WAIT_S * 0.9, "a 200 came before the wait was over"
+    assert max(queued_at, refused_at) < busy_end, "the 200s waited for the request ahead"
+    assert "".join(c.choices[0].text for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.APIError) as error:  # refused past the wait: an SSE error event
+        list(refused)
+    assert "exceeds max_model_len" in error.value.message
