@@ -65,7 +65,7 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     facts = await state.registry.facts(body.model, version)
     check_token_ids(facts.vocab_size, prompt, body.stop_token_ids)
     check_context(facts.max_model_len, body.limit(), prompt)
-    await _reserve_tokens(request, lease, body, prompt)
+    await _reserve_tokens(request, lease, body, prompt, facts.max_model_len)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
@@ -120,9 +120,11 @@ async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shap
 
 
 @telemetry.traced("limits.tokens")
-async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict) -> None:
+async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict,
+                          max_model_len: int | None) -> None:
     """Tokens per minute and per day: charge the estimate now; admission's teardown settles it."""
-    tokens = estimate.request_tokens(prompt, body.limit(), body.n)
+    tokens = estimate.request_tokens(prompt, body.limit(), body.n, max_model_len,
+                                     request.app.state.settings.default_reserve_tokens)
     lease.reservation, headers = await request.app.state.limits.reserve_tokens(lease.key, tokens)
     set_ratelimit_headers(request, headers)
 

@@ -51,6 +51,10 @@ class GatewaySettings(FilesSettings):
                                     "its worker's admission verdict before the 200 and keep-alives "
                                     "go out (an error known by then is an HTTP error, one after it "
                                     "an SSE error event)")
+    default_reserve_tokens: int = Field(2048, ge=0, description="Completion tokens a request "
+                                        "without max_tokens reserves against its key's TPM and "
+                                        "daily budget (capped at the context its prompt leaves; "
+                                        "settled to the actual usage at the end)")
     max_file_bytes: int = Field(64 << 20, ge=1, description="Largest file /v1/files accepts "
                                 "(413 above)")
     max_file_lines: int = Field(50_000, ge=1, description="Most lines (requests) a batch input "

@@ -1,10 +1,13 @@
 """Streams and what is known before their first byte, through `kvgate up` and the openai client: a
 refusal is an HTTP error; a request queued past KVGATE_ADMISSION_WAIT_S gets its 200 then and
-streams later (a refusal after that is an SSE error event).
+streams later (a refusal after that is an SSE error event); a request without max_tokens reserves
+the documented default and is charged what it used.
 
-One slot (KVGATE_MAX_NUM_SEQS=1), so a request can be queued behind another."""
+One slot (KVGATE_MAX_NUM_SEQS=1), so a request can be queued behind another; a 768-token context,
+so a request without max_tokens ends within seconds."""
 from __future__ import annotations
 
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,11 +15,14 @@ import httpx
 import openai
 import pytest
 
+from gateway import estimate
 from tests.conftest import start_stack, stop_stack
 
 WAIT_S = 0.3
+DEFAULT_RESERVE = 100
 CONTEXT = 768
-ENV = {"KVGATE_ADMISSION_WAIT_S": str(WAIT_S), "KVGATE_MAX_NUM_SEQS": "1", "KVGATE_MAX_MODEL_LEN": str(CONTEXT)}
+ENV = {"KVGATE_ADMISSION_WAIT_S": str(WAIT_S), "KVGATE_DEFAULT_RESERVE_TOKENS": str(DEFAULT_RESERVE),
+       "KVGATE_MAX_NUM_SEQS": "1", "KVGATE_MAX_MODEL_LEN": str(CONTEXT)}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +51,35 @@ def test_a_completion_the_worker_refuses_is_a_400_before_any_byte(stack):
                                           stream=True)
     assert refused.value.code == "context_length_exceeded"
     assert f"exceeds max_model_len of {CONTEXT} tokens" in refused.value.message
+
+
+def test_a_chat_without_max_tokens_reserves_the_default_and_is_charged_what_it_used(stack):
+    tpm = 1_000_000
+    name = "nomax-" + secrets.token_hex(3)
+    made = _admin(stack, "POST", "/admin/keys", json={"name": name, "tpm": tpm})
+    assert made.status_code == 201, made.text
+    client = _client(stack, made.json()["secret"])
+    messages = [{"role": "user", "content": "Tell me a long story"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model="demo", messages=messages, stream=True, stream_options={"include_usage": True})
+    reserved = tpm - int(raw.headers["x-ratelimit-remaining-tokens"])
+    assert reserved == estimate.prompt_tokens({"messages": messages}) + DEFAULT_RESERVE
+    chunks = list(raw.parse())
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    [usage] = [c.usage for c in chunks if c.usage is not None]
+    assert finish in (["length"], ["stop"]) and usage.total_tokens <= CONTEXT
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 1
+    deadline = time.monotonic() + 10  # the settlement runs when the response has ended
+    while time.monotonic() < deadline:
+        remaining = int(client.models.with_raw_response.list().headers["x-ratelimit-remaining-tokens"])
+        if remaining == tpm - usage.total_tokens:
+            break
+        time.sleep(0.1)
+    assert remaining == tpm - usage.total_tokens, "the reservation was not settled to the usage"
+    rows = _admin(stack, "GET", "/admin/usage", params={"key": name, "since": "1d"}).json()["rows"]
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        (usage.prompt_tokens, usage.completion_tokens)]
 
 
 def _timed_create(client: openai.OpenAI, **body):
