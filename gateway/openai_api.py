@@ -28,17 +28,17 @@ DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its clie
 
 
 @router.get("/models")
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request, lease: Lease = Depends(admit)) -> dict:
     """Served names that have a live worker."""
     live = await request.app.state.registry.live_names()
-    return {"object": "list", "data": [_model_card(n) for n in live]}
+    return {"object": "list", "data": [await _model_card(request, n, lease) for n in live]}
 
 
 @router.get("/models/{model_id}")
-async def get_model(model_id: str, request: Request) -> dict:
+async def get_model(model_id: str, request: Request, lease: Lease = Depends(admit)) -> dict:
     if model_id not in await request.app.state.registry.live_names():
         raise NotFound(f"The model '{model_id}' does not exist", param="model")
-    return _model_card(model_id)
+    return await _model_card(request, model_id, lease)
 
 
 @router.post("/chat/completions", dependencies=[Depends(version_header)])
@@ -272,5 +272,11 @@ async def _sse(handle: Handle, replies: Lookahead, shape: _Shape, lease: Lease,
         handle.close("client_disconnected")
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate"}
+async def _model_card(request: Request, name: str, lease: Lease) -> dict:
+    """`max_model_len` (vLLM's field): the smallest among the live workers of the version this key
+    would be routed to now (None while none of them says)."""
+    state = request.app.state
+    version = await state.router.version_for(name, lease.key)
+    facts = await state.registry.facts(name, version)
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
+            "max_model_len": facts.max_model_len}

@@ -8,6 +8,9 @@ so a request without max_tokens ends within seconds."""
 from __future__ import annotations
 
 import secrets
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,6 +44,11 @@ def _admin(stack, method: str, path: str, **kwargs) -> httpx.Response:
 def _client(stack, key: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.url + "/v1", api_key=key or stack.key, max_retries=0,
                          timeout=60)
+
+
+def test_the_context_is_the_workers(stack):
+    assert stack.worker_info()["max_model_len"] == CONTEXT
+    assert _client(stack).models.retrieve("demo").max_model_len == CONTEXT
 
 
 def test_a_completion_the_worker_refuses_is_a_400_before_any_byte(stack):
@@ -113,3 +121,30 @@ def test_a_request_queued_past_the_wait_gets_its_200_then_streams(stack):
     with pytest.raises(openai.APIError) as error:  # refused past the wait: an SSE error event
         list(refused)
     assert "exceeds max_model_len" in error.value.message
+
+
+def test_models_report_the_context_of_the_version_the_key_is_routed_to(stack, tiny_model_dir):
+    """Last here: it adds a canary version (512-token context) that one cohort is pinned to."""
+    log = open(stack.state / "worker-v2.log", "ab")
+    v2 = subprocess.Popen([sys.executable, "-m", "kvgate", "worker", "--model", str(tiny_model_dir),
+                           "--version", "v2", "--max-model-len", "512", "--redis-url",
+                           stack.redis_url], stdout=log, stderr=subprocess.STDOUT,
+                          start_new_session=True)
+    try:
+        route = {"version": "v2", "stable": "v1", "weight": 0, "cohorts": {"beta": "v2"}}
+        deadline = time.monotonic() + 120
+        while (put := _admin(stack, "PUT", "/admin/canary/demo", json=route)).status_code == 404:
+            assert v2.poll() is None and time.monotonic() < deadline, "v2 never registered"
+            time.sleep(0.2)  # a cohort may be pinned only to a version a worker has served
+        assert put.status_code == 200, put.text
+        made = _admin(stack, "POST", "/admin/keys", json={"name": "beta-" + secrets.token_hex(3),
+                                                          "canary_cohort": "beta"})
+        beta = _client(stack, made.json()["secret"])
+        while (seen := beta.models.retrieve("demo").max_model_len) != 512:
+            assert v2.poll() is None and time.monotonic() < deadline, f"v2 never served: {seen}"
+            time.sleep(0.2)
+        assert [m.max_model_len for m in beta.models.list().data] == [512]
+        assert _client(stack).models.retrieve("demo").max_model_len == CONTEXT  # stable: v1's
+    finally:
+        v2.send_signal(signal.SIGTERM)
+        v2.wait(30)

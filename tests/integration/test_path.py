@@ -58,8 +58,10 @@ def test_non_streamed_usage_counts_the_tokens_produced(client):
     assert all(len(p.top_logprobs) == 2 for p in produced)
 
 
-def test_models_lists_live_served_name(client):
-    assert [m.id for m in client.models.list().data] == ["demo"]
+def test_models_lists_live_served_name_with_its_context(client, stack):
+    context = stack.worker_info()["max_model_len"]
+    assert [(m.id, m.max_model_len) for m in client.models.list().data] == [("demo", context)]
+    assert client.models.retrieve("demo").max_model_len == context
 
 
 LONG_TEXT = "lorem ipsum dolor " * 1000  # over 2,048 tokens (the tiny model's context) by any count
