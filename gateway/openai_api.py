@@ -197,19 +197,36 @@ def _usage(done: protocol.Done) -> dict:
 
 
 def _chat_logprobs(lps: list[dict] | None) -> dict | None:
+    """OpenAI's chat shape: every top entry in rank order, each with its token's real bytes (sent
+    by the worker; a worker of the previous release sent none: its text's bytes then)."""
     if lps is None:
         return None
-    def item(tok: str, lp: float) -> dict:
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-    return {"content": [{**item(e["token"], e["logprob"]),
-                         "top_logprobs": [item(t, v) for t, v in e["top"]]} for e in lps]}
+    def item(tok: str, lp: float, raw: list[int] | None) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode()) if raw is None else raw}
+
+    def tops(e: dict) -> list[dict]:
+        raws = e.get("top_bytes") or [None] * len(e["top"])
+        return [item(t, v, raw) for (t, v), raw in zip(e["top"], raws)]
+    return {"content": [{**item(e["token"], e["logprob"], e.get("bytes")), "top_logprobs": tops(e)}
+                        for e in lps]}
 
 
 def _text_logprobs(lps: list[dict] | None) -> dict | None:
     if lps is None:
         return None
     return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [dict(e["top"]) for e in lps]}
+            "top_logprobs": [_text_top(e) for e in lps]}
+
+
+def _text_top(e: dict) -> dict[str, float]:
+    """Completions' top entries are a dict text -> logprob (OpenAI's shape), so two tokens with the
+    same text would collapse into one: the second and later are keyed `token_id:<id>`, vLLM's
+    spelling under --return-tokens-as-token-ids, and the client gets every entry it asked for."""
+    out: dict[str, float] = {}
+    for (text, lp), token_id in zip(e["top"], e.get("top_ids") or [None] * len(e["top"])):
+        key = f"token_id:{token_id}" if text in out and token_id is not None else text
+        out.setdefault(key, lp)
+    return out
 
 
 async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:

@@ -82,6 +82,30 @@ def test_a_stream_over_the_context_is_a_400_before_any_byte(client, stack):
         assert refused.value.response.headers["x-kvgate-version"] == "v1"
 
 
+SYMBOLS = "Ω≈ç√∫˜µ≤≥÷"  # a prompt after which the tiny model ranks several byte tokens high
+
+
+def test_top_logprobs_keep_every_entry_even_when_texts_repeat(client):
+    text = client.completions.create(model="demo", prompt=SYMBOLS, max_tokens=48, logprobs=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    tops = text.choices[0].logprobs.top_logprobs
+    assert len(tops) == 48 and all(len(top) == 5 for top in tops)
+    assert any(k.startswith("token_id:") for top in tops for k in top), "no texts repeated here"
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": SYMBOLS}], max_tokens=48, logprobs=True,
+        top_logprobs=5, temperature=0, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 48 and all(len(p.top_logprobs) == 5 for p in content)
+    assert any(len({t.token for t in p.top_logprobs}) < 5 for p in content), "no texts repeated here"
+    entries = [t for p in content for t in [p, *p.top_logprobs]]
+    assert any("\ufffd" in t.token for t in entries)
+    for t in entries:  # each token's own bytes: a partial character's, not U+FFFD's
+        assert bytes(t.bytes).decode(errors="replace") == t.token, t
+        if "\ufffd" in t.token:
+            with pytest.raises(UnicodeDecodeError):
+                bytes(t.bytes).decode()
+
+
 def _assert_openai_error(resp: httpx.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
