@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 
@@ -229,27 +229,26 @@ class Lookahead:
     response sends its 200 only once the worker has admitted the request (its first reply, the
     empty admission delta) or the wait is over, so a refusal before that is an HTTP error."""
 
-    def __init__(self, replies: AsyncIterator, poll_s: float = 1.0):
+    def __init__(self, replies: AsyncIterator):
         self._replies = replies
-        self._poll_s = poll_s  # how often the wait checks that the client is still there
         self._first = None
         self._pending: asyncio.Task | None = None
 
-    async def wait_first(self, timeout: float, gone: Callable[[], Awaitable[bool]]) -> bool:
+    async def wait_first(self, timeout: float, gone: asyncio.Future) -> bool:
         """Until the first reply that is not a keep-alive, or `timeout`; a refusal raises. False
-        when the client left meanwhile."""
+        as soon as `gone` is done (the client left)."""
         deadline = time.monotonic() + timeout
         while self._first is None and (left := deadline - time.monotonic()) > 0:
             if self._pending is None:
                 self._pending = asyncio.create_task(self._next())
-            done, _ = await asyncio.wait({self._pending}, timeout=min(left, self._poll_s))
-            if not done:
-                if await gone():
-                    return False
-                continue
-            task, self._pending = self._pending, None
-            if (reply := task.result()) is not KEEPALIVE:
-                self._first = reply
+            await asyncio.wait({self._pending, gone}, timeout=left,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                return False
+            if self._pending.done():
+                task, self._pending = self._pending, None
+                if (reply := task.result()) is not KEEPALIVE:
+                    self._first = reply
         return True
 
     def cancel(self) -> None:

@@ -103,13 +103,13 @@ async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shap
     """The 200 goes out once the worker admitted the request (its first reply) or after
     KVGATE_ADMISSION_WAIT_S, whichever is first: a refusal before then is an HTTP error with its
     status, even for `stream: true`; one after it is an SSE error event."""
-    ahead, here = Lookahead(replies, DISCONNECT_POLL_S), False
+    ahead, gone, here = Lookahead(replies), asyncio.ensure_future(_disconnect(request)), False
     try:
-        here = await ahead.wait_first(request.app.state.settings.admission_wait_s,
-                                      request.is_disconnected)
+        here = await ahead.wait_first(request.app.state.settings.admission_wait_s, gone)
     except KvgateError as exc:
         raise _naming(exc, headers)
     finally:
+        gone.cancel()
         if not here:  # refused, or the client left: the close cancels what may still run
             ahead.cancel()
             handle.close("not_started")
@@ -117,6 +117,12 @@ async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shap
         return Response(status_code=499)
     gen = _sse(handle, ahead, shape, lease, include_usage)
     return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone: its body is read, so that is all it can still say."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 @telemetry.traced("limits.tokens")
