@@ -50,7 +50,7 @@ class GatewaySettings(FilesSettings):
     admission_wait_s: float = Field(5.0, ge=0, description="How long a streamed request waits for "
                                     "its worker's admission verdict before the 200 and keep-alives "
                                     "go out (an error known by then is an HTTP error, one after it "
-                                    "an SSE error event)")
+                                    "an SSE error event; 0: at once)")
     default_reserve_tokens: int = Field(2048, ge=0, description="Completion tokens a request "
                                         "without max_tokens reserves against its key's TPM and "
                                         "daily budget (capped at the context its prompt leaves; "
