@@ -223,3 +223,49 @@ class Handle:
             self.dispatcher.cancel_soon(self.request_id, reason)
         self.dispatcher.release(self.request_id)
 
+
+class Lookahead:
+    """A request's replies with the first one awaited before the response starts: a streamed
+    response sends its 200 only once the worker has admitted the request (its first reply, the
+    empty admission delta) or the wait is over, so a refusal before that is an HTTP error."""
+
+    def __init__(self, replies: AsyncIterator):
+        self._replies = replies
+        self._first = None
+        self._pending: asyncio.Task | None = None
+
+    async def wait_first(self, timeout: float, gone: asyncio.Future) -> bool:
+        """Until the first reply that is not a keep-alive, or `timeout`; a refusal raises. False
+        as soon as `gone` is done (the client left)."""
+        deadline = time.monotonic() + timeout
+        while self._first is None and (left := deadline - time.monotonic()) > 0:
+            if self._pending is None:
+                self._pending = asyncio.create_task(self._next())
+            await asyncio.wait({self._pending, gone}, timeout=left,
+                               return_when=asyncio.FIRST_COMPLETED)
+            if gone.done():
+                return False
+            if self._pending.done():
+                task, self._pending = self._pending, None
+                if (reply := task.result()) is not KEEPALIVE:
+                    self._first = reply
+        return True
+
+    def cancel(self) -> None:
+        if self._pending is not None:
+            self._pending.cancel()
+
+    async def _next(self):
+        return await anext(self._replies)
+
+    async def __aiter__(self):
+        if self._first is not None:
+            yield self._first
+        if self._pending is not None:  # the wait ended before the first reply: it comes here
+            task, self._pending = self._pending, None
+            try:
+                yield await task
+            except StopAsyncIteration:
+                return
+        async for reply in self._replies:
+            yield reply

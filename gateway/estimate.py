@@ -14,9 +14,24 @@ def prompt_tokens(prompt: dict) -> int:
     return _text(prompt.get("prompt") or "")
 
 
-def request_tokens(prompt: dict, max_tokens: int | None, n: int) -> int:
-    """The reservation: the prompt once plus every completion's cap (none: the prompt alone)."""
-    return prompt_tokens(prompt) + (max_tokens or 0) * n
+def completion_tokens(prompt: int, max_tokens: int | None, max_model_len: int | None,
+                      default: int) -> int:
+    """One completion's share of the reservation: its cap; without one, `default` tokens, or what
+    the context leaves after the prompt when that is less. Reserving the whole rest of the context
+    would refuse every such request on a long-context model; the prompt alone would let the
+    completion run past the limit by up to the whole context. The settlement makes it exact."""
+    if max_tokens is not None:
+        return max_tokens
+    if max_model_len is None:
+        return default
+    return min(default, max(1, max_model_len - prompt))
+
+
+def request_tokens(prompt: dict, max_tokens: int | None, n: int, max_model_len: int | None = None,
+                   default_completion: int = 0) -> int:
+    """The reservation: the prompt once plus every completion's share."""
+    tokens = prompt_tokens(prompt)
+    return tokens + completion_tokens(tokens, max_tokens, max_model_len, default_completion) * n
 
 
 def _text(text: str) -> int:

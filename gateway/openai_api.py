@@ -14,8 +14,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from gateway import estimate
 from gateway.admission import Lease, admit, set_ratelimit_headers
-from gateway.dispatch import KEEPALIVE, Handle
-from gateway.routing import VERSION_HEADER, Outcome, observed, version_header
+from gateway.dispatch import KEEPALIVE, Handle, Lookahead
+from gateway.routing import VERSION_HEADER, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.validation import check_context, check_model_allowed, check_output_limits, check_token_ids
 from shared import logs, names, protocol, telemetry
@@ -28,17 +28,17 @@ DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its clie
 
 
 @router.get("/models")
-async def list_models(request: Request) -> dict:
+async def list_models(request: Request, lease: Lease = Depends(admit)) -> dict:
     """Served names that have a live worker."""
     live = await request.app.state.registry.live_names()
-    return {"object": "list", "data": [_model_card(n) for n in live]}
+    return {"object": "list", "data": [await _model_card(request, n, lease) for n in live]}
 
 
 @router.get("/models/{model_id}")
-async def get_model(model_id: str, request: Request) -> dict:
+async def get_model(model_id: str, request: Request, lease: Lease = Depends(admit)) -> dict:
     if model_id not in await request.app.state.registry.live_names():
         raise NotFound(f"The model '{model_id}' does not exist", param="model")
-    return _model_card(model_id)
+    return await _model_card(request, model_id, lease)
 
 
 @router.post("/chat/completions", dependencies=[Depends(version_header)])
@@ -65,7 +65,7 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     facts = await state.registry.facts(body.model, version)
     check_token_ids(facts.vocab_size, prompt, body.stop_token_ids)
     check_context(facts.max_model_len, body.limit(), prompt)
-    await _reserve_tokens(request, lease, body, prompt)
+    await _reserve_tokens(request, lease, body, prompt, facts.max_model_len)
     entry = _entry(request, lease, body, kind, version, prompt, logprobs)
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
@@ -76,15 +76,14 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
         lease.outcome = outcome
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     shape = _Shape(kind, entry.request_id, body.model, body.n)
+    replies = observed(handle.replies(state.settings.keepalive_s), outcome)
     if body.stream:
         usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _sse(handle, shape, lease, usage, state.settings.keepalive_s, outcome)
-        return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+        return await _stream(request, handle, replies, shape, lease, usage, headers)
     try:
-        result = await _unless_gone(request, _collect(handle, shape, state.settings.keepalive_s, outcome))
-    except KvgateError as exc:  # an error the version answered with still names the version
-        exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
-        raise
+        result = await _unless_gone(request, _collect(replies, shape))
+    except KvgateError as exc:
+        raise _naming(exc, headers)
     finally:
         handle.close("client_gone")
     if result is None:  # the client left: nobody to answer (the close above cancelled the request)
@@ -93,10 +92,45 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     return JSONResponse(result, headers=headers)
 
 
+def _naming(exc: KvgateError, headers: dict) -> KvgateError:
+    """An error the version answered with still names the version (and the request id)."""
+    exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
+    return exc
+
+
+async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shape: _Shape,
+                  lease: Lease, include_usage: bool, headers: dict) -> Response:
+    """The 200 goes out once the worker admitted the request (its first reply) or after
+    KVGATE_ADMISSION_WAIT_S, whichever is first: a refusal before then is an HTTP error with its
+    status, even for `stream: true`; one after it is an SSE error event."""
+    ahead, gone, here = Lookahead(replies), asyncio.ensure_future(_disconnect(request)), False
+    try:
+        here = await ahead.wait_first(request.app.state.settings.admission_wait_s, gone)
+    except KvgateError as exc:
+        raise _naming(exc, headers)
+    finally:
+        gone.cancel()
+        if not here:  # refused, or the client left: the close cancels what may still run
+            ahead.cancel()
+            handle.close("not_started")
+    if not here:
+        return Response(status_code=499)
+    gen = _sse(handle, ahead, shape, lease, include_usage)
+    return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client has gone: its body is read, so that is all it can still say."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
 @telemetry.traced("limits.tokens")
-async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict) -> None:
+async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict,
+                          max_model_len: int | None) -> None:
     """Tokens per minute and per day: charge the estimate now; admission's teardown settles it."""
-    tokens = estimate.request_tokens(prompt, body.limit(), body.n)
+    tokens = estimate.request_tokens(prompt, body.limit(), body.n, max_model_len,
+                                     request.app.state.settings.default_reserve_tokens)
     lease.reservation, headers = await request.app.state.limits.reserve_tokens(lease.key, tokens)
     set_ratelimit_headers(request, headers)
 
@@ -169,26 +203,43 @@ def _usage(done: protocol.Done) -> dict:
 
 
 def _chat_logprobs(lps: list[dict] | None) -> dict | None:
+    """OpenAI's chat shape: every top entry in rank order, each with its token's real bytes (sent
+    by the worker; a worker of the previous release sent none: its text's bytes then)."""
     if lps is None:
         return None
-    def item(tok: str, lp: float) -> dict:
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode())}
-    return {"content": [{**item(e["token"], e["logprob"]),
-                         "top_logprobs": [item(t, v) for t, v in e["top"]]} for e in lps]}
+    def item(tok: str, lp: float, raw: list[int] | None) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode()) if raw is None else raw}
+
+    def tops(e: dict) -> list[dict]:
+        raws = e.get("top_bytes") or [None] * len(e["top"])
+        return [item(t, v, raw) for (t, v), raw in zip(e["top"], raws)]
+    return {"content": [{**item(e["token"], e["logprob"], e.get("bytes")), "top_logprobs": tops(e)}
+                        for e in lps]}
 
 
 def _text_logprobs(lps: list[dict] | None) -> dict | None:
     if lps is None:
         return None
     return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [dict(e["top"]) for e in lps]}
+            "top_logprobs": [_text_top(e) for e in lps]}
 
 
-async def _collect(handle: Handle, shape: _Shape, keepalive_s: float, outcome: Outcome) -> dict:
+def _text_top(e: dict) -> dict[str, float]:
+    """Completions' top entries are a dict text -> logprob (OpenAI's shape), so two tokens with the
+    same text would collapse into one: the second and later are keyed `token_id:<id>`, vLLM's
+    spelling under --return-tokens-as-token-ids, and the client gets every entry it asked for."""
+    out: dict[str, float] = {}
+    for (text, lp), token_id in zip(e["top"], e.get("top_ids") or [None] * len(e["top"])):
+        key = f"token_id:{token_id}" if text in out and token_id is not None else text
+        out.setdefault(key, lp)
+    return out
+
+
+async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:
     texts: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, list] = {}
-    async for reply in observed(handle.replies(keepalive_s), outcome):
+    async for reply in replies:
         if isinstance(reply, protocol.Delta):
             texts[reply.index] = texts.get(reply.index, "") + reply.text
             if reply.logprobs is not None:
@@ -217,19 +268,19 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
-               keepalive_s: float, outcome: Outcome) -> AsyncIterator[bytes]:
+async def _sse(handle: Handle, replies: Lookahead, shape: _Shape, lease: Lease,
+               include_usage: bool) -> AsyncIterator[bytes]:
     """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
     try:
         if shape.kind == "chat":
             yield _event(shape.chunk(shape.role_choices()))
         try:
-            async for reply in observed(handle.replies(keepalive_s), outcome):
+            async for reply in replies:
                 if reply is KEEPALIVE:
                     yield b": keep-alive\n\n"
                 elif isinstance(reply, protocol.Delta):
                     if not (reply.text or reply.finish_reason or reply.logprobs):
-                        continue  # text held back by the detokenizer: nothing to show yet
+                        continue  # the admission verdict, or text the detokenizer holds back
                     yield _event(shape.chunk([shape.delta_choice(reply)]))
                 elif isinstance(reply, protocol.Done):
                     lease.usage = _usage(reply)
@@ -240,8 +291,15 @@ async def _sse(handle: Handle, shape: _Shape, lease: Lease, include_usage: bool,
             yield _event(exc.to_openai())
         yield b"data: [DONE]\n\n"
     finally:
+        replies.cancel()
         handle.close("client_disconnected")
 
 
-def _model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate"}
+async def _model_card(request: Request, name: str, lease: Lease) -> dict:
+    """`max_model_len` (vLLM's field): the smallest among the live workers of the version this key
+    would be routed to now (None while none of them says)."""
+    state = request.app.state
+    version = await state.router.version_for(name, lease.key)
+    facts = await state.registry.facts(name, version)
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
+            "max_model_len": facts.max_model_len}

@@ -57,7 +57,7 @@ class Outcome:
     ok: bool | None = None
 
     def saw(self, reply) -> None:
-        if isinstance(reply, protocol.Delta):
+        if isinstance(reply, protocol.Delta) and (reply.token_ids or reply.text):  # not the verdict
             self.last = time.monotonic()
             self.first = self.first or self.last
             self.tokens[reply.index] = self.tokens.get(reply.index, 0) + len(reply.token_ids)
@@ -154,16 +154,23 @@ class Router:
         raise Overloaded(f"No live worker serves '{alias}' version '{version}' right now; retry "
                          "shortly", param=VERSION_HEADER, retry_after=2)
 
+    async def version_for(self, alias: str, key: KeyRecord) -> str:
+        """The version `choose` would give this key now, without counting a failover: for
+        /v1/models, which only looks."""
+        route = await self.route_of(alias)
+        if route is None:
+            return await self.registry.route(alias)
+        wanted = assign(route, key.id, key.canary_cohort)
+        return _pick(route, wanted, await self.live_versions(alias)) or wanted
+
     async def _failover(self, route: Route, wanted: str) -> str:
-        live = await self.live_versions(route.alias)
-        if wanted in live:
-            return wanted
-        for version in route.versions():
-            if version in live:
-                await self.store.count(route.alias, "failovers")
-                return version
-        raise Overloaded(f"No live worker serves '{route.alias}' right now; retry shortly",
-                         param="model", retry_after=2)
+        version = _pick(route, wanted, await self.live_versions(route.alias))
+        if version is None:
+            raise Overloaded(f"No live worker serves '{route.alias}' right now; retry shortly",
+                             param="model", retry_after=2)
+        if version != wanted:
+            await self.store.count(route.alias, "failovers")
+        return version
 
     async def record(self, outcome: Outcome) -> None:
         """Adds a finished request to its version's window (only for aliases with a route)."""
@@ -234,6 +241,13 @@ class Router:
             if len(entries) >= count:
                 break
         return entries
+
+
+def _pick(route: Route, wanted: str, live: set[str]) -> str | None:
+    """`wanted` if it has a live worker, else the first of the route's versions that has one."""
+    if wanted in live:
+        return wanted
+    return next((v for v in route.versions() if v in live), None)
 
 
 def _retarget(raw: bytes, version: str) -> bytes:

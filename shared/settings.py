@@ -47,6 +47,14 @@ class GatewaySettings(FilesSettings):
                                  "KVGATE_MAX_STREAM_DEPTH of them per model version")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
+    admission_wait_s: float = Field(5.0, ge=0, description="How long a streamed request waits for "
+                                    "its worker's admission verdict before the 200 and keep-alives "
+                                    "go out (an error known by then is an HTTP error, one after it "
+                                    "an SSE error event; 0: at once)")
+    default_reserve_tokens: int = Field(2048, ge=0, description="Completion tokens a request "
+                                        "without max_tokens reserves against its key's TPM and "
+                                        "daily budget (capped at the context its prompt leaves; "
+                                        "settled to the actual usage at the end)")
     max_file_bytes: int = Field(64 << 20, ge=1, description="Largest file /v1/files accepts "
                                 "(413 above)")
     max_file_lines: int = Field(50_000, ge=1, description="Most lines (requests) a batch input "

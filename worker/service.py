@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import orjson
 import redis
@@ -30,6 +31,7 @@ from worker.faults import Faults
 from worker.metrics import WorkerMetrics
 from worker.replies import Outbox
 from worker.takeover import claim_orphans
+from worker.token_text import TokenText
 
 log = logging.getLogger("kvgate.worker")
 RETRYABLE = {errors.EngineStepFailed.code, errors.ResumeFailed.code}  # sent again, may succeed
@@ -321,6 +323,9 @@ class WorkerService:
         if delivered:
             self.counters["requests_resumed"] += 1
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
+        if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
+            self.outbox.reply(entry.reply_channel, protocol.Delta(
+                request_id=rid, seq=self.active[rid].next_seq()), entry.v)
 
     def _decode(self, stream: str, entry_id: bytes, raw: bytes,
                 delivered: int) -> protocol.RequestEntry | None:
@@ -429,14 +434,20 @@ class WorkerService:
         self.counters["requests_finished"] += 1
         self.metrics.finished(rid)
 
+    @cached_property
+    def _token_text(self) -> TokenText:
+        return TokenText(self.tokenizer)
+
     def _wire_logprobs(self, out: RequestOutput) -> list[dict] | None:
+        """Per token: its text, real bytes and logprob, and every top entry's, in rank order.
+        `top` stays [text, logprob] pairs, as a gateway of the previous release reads them."""
         if not out.logprobs:
             return None
-
-        def tok(token_id: int) -> str:  # as the text shows it: special tokens are not text
-            return self.tokenizer.decode([token_id], skip_special_tokens=True)
-        return [{"token_id": lp.token_id, "token": tok(lp.token_id), "logprob": lp.logprob,
-                 "top": [[tok(t), v] for t, v in lp.top]} for lp in out.logprobs]
+        of = self._token_text.of
+        return [{"token_id": lp.token_id, "token": of(lp.token_id)[0], "logprob": lp.logprob,
+                 "bytes": of(lp.token_id)[1], "top": [[of(t)[0], v] for t, v in lp.top],
+                 "top_ids": [t for t, _ in lp.top], "top_bytes": [of(t)[1] for t, _ in lp.top]}
+                for lp in out.logprobs]
 
     # -- cancellation ----------------------------------------------------------------------
     def _cancel_loop(self) -> None:

@@ -27,6 +27,9 @@ MARKER = "zebra-quartz-prompt-marker"  # a prompt that must never reach a log
 # these tests fail authentication on purpose, many times, all from 127.0.0.1 (the throttle of failed
 # authentication has its own test, tests/integration/test_admin_hardening.py)
 THROTTLE_ENV = {"KVGATE_AUTH_FAILURES_PER_MINUTE": "100000"}
+# a stream's 200 goes out at once, not when the one-at-a-time engine starts it, so a key's streams
+# overlap as its slots do (test_never_a_fifth_request_in_flight)
+STREAM_AT_ONCE = {"KVGATE_ADMISSION_WAIT_S": "0"}
 RATE_HEADERS = ("x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
                 "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens",
                 "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens")
@@ -57,7 +60,8 @@ class Gov:
 def _start_second_gateway(stack: Stack, admin_key: str) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     env = {**os.environ, "KVGATE_SECRET": (stack.state / "server.secret").read_text().strip(),
-           "KVGATE_API_KEY": stack.key, "KVGATE_ADMIN_KEY": admin_key, **THROTTLE_ENV}
+           "KVGATE_API_KEY": stack.key, "KVGATE_ADMIN_KEY": admin_key, **THROTTLE_ENV,
+           **STREAM_AT_ONCE}
     log = open(stack.state / "gateway2.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "kvgate", "gateway", "--port", str(port),
                              "--redis-url", stack.redis_url], env=env, stdout=log,
@@ -84,7 +88,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def gov(tiny_model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("gov")
-    stack = start_stack(tiny_model_dir, root / ".kvgate", ENGINE, extra_env=THROTTLE_ENV)
+    stack = start_stack(tiny_model_dir, root / ".kvgate", ENGINE, extra_env={**THROTTLE_ENV, **STREAM_AT_ONCE})
     admin_key = (stack.state / "admin.key").read_text().strip()
     second, url2 = _start_second_gateway(stack, admin_key)
     g = Gov(stack=stack, gateways=[stack.url, url2], admin_key=admin_key, second=second)

@@ -58,8 +58,52 @@ def test_non_streamed_usage_counts_the_tokens_produced(client):
     assert all(len(p.top_logprobs) == 2 for p in produced)
 
 
-def test_models_lists_live_served_name(client):
-    assert [m.id for m in client.models.list().data] == ["demo"]
+def test_models_lists_live_served_name_with_its_context(client, stack):
+    context = stack.worker_info()["max_model_len"]
+    assert [(m.id, m.max_model_len) for m in client.models.list().data] == [("demo", context)]
+    assert client.models.retrieve("demo").max_model_len == context
+
+
+LONG_TEXT = "lorem ipsum dolor " * 1000  # over 2,048 tokens (the tiny model's context) by any count
+
+
+def test_a_stream_over_the_context_is_a_400_before_any_byte(client, stack):
+    """Only the worker can count a text prompt's tokens: the gateway waits for its verdict."""
+    context = stack.worker_info()["max_model_len"]
+    calls = [lambda: client.completions.create(model="demo", prompt=LONG_TEXT, max_tokens=8,
+                                               stream=True),
+             lambda: client.chat.completions.create(  # and without max_tokens
+                 model="demo", messages=[{"role": "user", "content": LONG_TEXT}], stream=True)]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.code == "context_length_exceeded" and str(context) in refused.value.message
+        assert refused.value.response.headers["content-type"] == "application/json"
+        assert refused.value.response.headers["x-kvgate-version"] == "v1"
+
+
+SYMBOLS = "Ω≈ç√∫˜µ≤≥÷"  # a prompt after which the tiny model ranks several byte tokens high
+
+
+def test_top_logprobs_keep_every_entry_even_when_texts_repeat(client):
+    text = client.completions.create(model="demo", prompt=SYMBOLS, max_tokens=48, logprobs=5,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    tops = text.choices[0].logprobs.top_logprobs
+    assert len(tops) == 48 and all(len(top) == 5 for top in tops)
+    assert any(k.startswith("token_id:") for top in tops for k in top), "no texts repeated here"
+    chat = client.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": SYMBOLS}], max_tokens=48, logprobs=True,
+        top_logprobs=5, temperature=0, extra_body={"ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 48 and all(len(p.top_logprobs) == 5 for p in content)
+    assert any(len({t.token for t in p.top_logprobs}) < 5 for p in content), "no texts repeated here"
+    entries = [t for p in content for t in [p, *p.top_logprobs]]
+    assert any("\ufffd" in t.token for t in entries)
+    for t in entries:  # each token's own bytes: a partial character's, not U+FFFD's
+        assert bytes(t.bytes).decode(errors="replace") == t.token, t
+        if "\ufffd" in t.token:
+            with pytest.raises(UnicodeDecodeError):
+                bytes(t.bytes).decode()
 
 
 def _assert_openai_error(resp: httpx.Response, status: int) -> dict:

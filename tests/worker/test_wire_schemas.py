@@ -77,13 +77,13 @@ def test_a_schema_1_entry_is_answered_in_schema_1(cluster):
     xadd(cluster, protocol.encode(entry("old-ok", ch.name, prompt="Hello there"), version=1))
     xadd(cluster, protocol.encode(entry("old-bad", ch.name, prompt_token_ids=[1, 99999]), version=1))
     ok, bad = ch.raw_replies("old-ok"), ch.raw_replies("old-bad")
-    assert [r["type"] for r in ok] == ["delta"] * 6 + ["done"]
+    assert [r["type"] for r in ok] == ["delta"] * 7 + ["done"]  # the admission verdict, 6 tokens
     assert [r["type"] for r in bad] == ["error"]
     for reply in ok + bad:
         assert reply["v"] == 1 and set(reply) <= V1_FIELDS[reply["type"]], reply
     assert bad[0]["code"] == "invalid_request" and "99999 at position 1" in bad[0]["message"]
     log = cluster.client.lrange(names.checkpoint_key("old-ok"), 0, -1)
-    assert [orjson.loads(line)["v"] for line in log] == [1] * 7, "the log is in the entry's schema too"
+    assert [orjson.loads(line)["v"] for line in log] == [1] * 8, "the log is in the entry's schema too"
 
 
 def test_an_entry_of_an_unknown_schema_or_with_bad_fields_is_answered_not_dropped(cluster):
@@ -128,12 +128,12 @@ def test_a_long_request_streams_in_full_and_its_log_stops_at_the_cap(cluster):
     ch = Channel(cluster, "long")
     xadd(cluster, protocol.encode(entry("long", ch.name, prompt="Tell me", params={"max_tokens": 80})))
     replies = ch.raw_replies("long", timeout=60)
-    assert [r["seq"] for r in replies] == list(range(1, 82)) and replies[-1]["type"] == "done"
+    assert [r["seq"] for r in replies] == list(range(1, 83)) and replies[-1]["type"] == "done"
     lines = cluster.client.lrange(names.checkpoint_key("long"), 0, -1)
     seqs = [orjson.loads(line)["seq"] for line in lines]
     print(f"\n[checkpoint cap] {len(replies)} replies streamed; the log kept {len(lines)} lines, "
           f"{sum(map(len, lines))} bytes (cap {CAP})")
-    assert seqs[-2:] == [0, 81], "the marker, then the last reply"
+    assert seqs[-2:] == [0, 82], "the marker, then the last reply"
     assert sum(len(line) for line in lines[:-2]) <= CAP
     assert all(protocol.decode_reply(line) for line in lines), "every reader can decode every line"
     ckpt = checkpoint.load(cluster.client, "long")
