@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from fastapi import Depends, Request
 
 from gateway.auth import authenticate
+from gateway.dispatch import Handle
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
 from gateway.routing import Outcome
@@ -34,13 +35,15 @@ class Lease:
     outcome: Outcome | None = None  # timings and ending, for the canary analysis
     lane: str = names.DEFAULT_LANE  # a batch line's token puts it in names.BATCH_LANE
     error_status: int | None = None  # the status of an error a stream ended with
+    handle: Handle | None = None  # its replies, once dispatched
 
     def charged_tokens(self) -> int:
-        """Actual tokens when the request finished; nothing if it never reached a worker; else the
-        reservation stands (a client that leaves mid-stream is not refunded)."""
+        """Actual tokens when the request finished; nothing if it never reached a worker or the
+        worker refused it before producing a token; else the reservation stands (a client that
+        leaves mid-stream is not refunded)."""
         if self.usage is not None:
             return self.usage["total_tokens"]
-        if self.version is None or self.reservation is None:
+        if self.version is None or self.reservation is None or (self.handle and self.handle.refused):
             return 0
         return self.reservation.estimate
 

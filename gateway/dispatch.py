@@ -158,6 +158,8 @@ class Handle:
         self.deadline = deadline
         self.last_seq = 0
         self.done = False
+        self.tokens = 0  # tokens the worker produced that this handle saw
+        self.refused = False  # the worker answered with an error before producing any token
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise."""
@@ -192,9 +194,12 @@ class Handle:
         self.last_seq = reply.seq
         if isinstance(reply, protocol.ErrorReply):
             self.done = True
+            self.refused = self.tokens == 0
             raise from_code(reply.code, reply.message, reply.param, reply.retryable)
         if isinstance(reply, protocol.Done):
             self.done = True
+        else:
+            self.tokens += len(reply.token_ids)
         return reply
 
     async def _from_log(self, upto: int | None) -> list:

@@ -72,6 +72,7 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
                                            interactive=lease.lane == names.DEFAULT_LANE,
                                            schema=facts.schema)
     lease.model, lease.version = body.model, version
+    lease.handle = handle
     if lease.lane == names.DEFAULT_LANE:  # batch lines wait behind by design: no canary signal
         lease.outcome = outcome
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}

@@ -51,14 +51,24 @@ def test_the_context_is_the_workers(stack):
     assert _client(stack).models.retrieve("demo").max_model_len == CONTEXT
 
 
-def test_a_completion_the_worker_refuses_is_a_400_before_any_byte(stack):
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_completion_the_worker_refuses_is_a_400_before_any_byte_and_costs_no_tokens(stack, stream):
     """max_tokens = the context - 1 passes the gateway's check, the prompt's tokens do not fit with
-    it: only the worker, which counts them, can refuse it."""
+    it: only the worker, which counts them, can refuse it; nothing ran, so nothing is charged."""
+    tpm = 1_000_000
+    made = _admin(stack, "POST", "/admin/keys", json={"name": "refused-" + secrets.token_hex(3), "tpm": tpm})
+    client = _client(stack, made.json()["secret"])
     with pytest.raises(openai.BadRequestError) as refused:
-        _client(stack).completions.create(model="demo", prompt="Hello", max_tokens=CONTEXT - 1,
-                                          stream=True)
+        client.completions.create(model="demo", prompt="Hello", max_tokens=CONTEXT - 1, stream=stream)
     assert refused.value.code == "context_length_exceeded"
     assert f"exceeds max_model_len of {CONTEXT} tokens" in refused.value.message
+    deadline = time.monotonic() + 10  # the settlement runs when the response has ended
+    while time.monotonic() < deadline:
+        remaining = int(client.models.with_raw_response.list().headers["x-ratelimit-remaining-tokens"])
+        if remaining == tpm:
+            break
+        time.sleep(0.1)
+    assert remaining == tpm, f"a refused request was charged {tpm - remaining} tokens"
 
 
 def test_a_chat_without_max_tokens_reserves_the_default_and_is_charged_what_it_used(stack):
