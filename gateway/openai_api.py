@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from gateway import estimate
 from gateway.admission import Lease, admit, set_ratelimit_headers
@@ -117,7 +118,10 @@ async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shap
     if not here:
         return Response(status_code=499)
     gen = _sse(handle, ahead, shape, lease, include_usage)
-    return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    # the close also runs if the client left before the generator ever started (its `finally`
+    # would not): the request is cancelled and its reply queue released either way
+    return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
+                             background=BackgroundTask(handle.close, "client_disconnected"))
 
 
 async def _disconnect(request: Request) -> None:
