@@ -115,6 +115,7 @@ def engine_variant(report: Report, s: Scale, model_dir: Path, name: str) -> None
     if not (model_dir / "config.json").exists():
         raise FileNotFoundError(f"no model folder at {model_dir}: the engine.hf section builds it")
     engine = LLMEngine.from_model_dir(model_dir, **engine_config(s, name))
+    warm_up(engine, s)
     before = jit_compiles()
     tokens, seconds = timed_run(engine, make_requests(s), s)
     after = jit_compiles()
@@ -137,17 +138,23 @@ def engine_config(s: Scale, name: str) -> dict:
     return config
 
 
-def timed_run(engine, requests, s: Scale) -> tuple[int, float]:
-    """Output tokens and seconds for all requests at once, after two warm-up requests (the first
-    attend builds every Triton kernel variant; they also settle the allocator)."""
+def warm_up(engine, s: Scale) -> None:
+    """Two short requests: the first attend builds every Triton kernel variant, and the allocator
+    settles."""
     from worker.engine.types import SamplingParams
 
-    warm = SamplingParams(max_tokens=min(8, s.output_len[0]), temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=min(8, s.output_len[0]), temperature=0.0, ignore_eos=True)
     for i in range(2):
-        engine.add_request(f"warm{i}", [5 + i] * 16, warm)
+        engine.add_request(f"warm{i}", [5 + i] * 16, params)
     while engine.has_unfinished():
         engine.step()
     sync(s.device)
+
+
+def timed_run(engine, requests, s: Scale) -> tuple[int, float]:
+    """Output tokens and seconds for all requests at once."""
+    from worker.engine.types import SamplingParams
+
     start = time.perf_counter()
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=out_len, temperature=0.0,

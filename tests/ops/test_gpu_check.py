@@ -2,6 +2,8 @@
 CUDA-graph variant generated what the eager one did."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -44,3 +46,17 @@ def test_a_token_eager_thought_unlikely_or_drifting_logprobs_fail():
     drift = compare_greedy([_steps(1, 2)], [_steps(1, 2, logprob=-1.5)], tolerance=0.1)
     missing = compare_greedy([_steps(1, 2)], [[]], tolerance=0.1)
     assert not far["ok"] and not unseen["ok"] and not drift["ok"] and not missing["ok"]
+
+
+def test_compiled_kernels_can_be_counted_and_interpreted_ones_say_so():
+    """engine.*.jit_compiles_timed reads Triton's per-kernel caches: a Triton that renamed them
+    would turn the count into an error on the device, so read them here (nothing compiled yet)."""
+    count = "import check_engine; print(check_engine.jit_compiles())"
+    root = Path(__file__).resolve().parents[2]
+    for interpret, want in (("0", "0"), ("1", "None")):
+        env = {**os.environ, "TRITON_INTERPRET": interpret,
+               "PYTHONPATH": os.pathsep.join([str(root), str(root / "ops" / "gpu")])}
+        proc = subprocess.run([sys.executable, "-c", count], env=env, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.split() == [want]
