@@ -31,6 +31,10 @@ INDEX = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_pt
 DATA = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")
 
 
+def extend_block_q(kv_group: int, max_query_len: int) -> int:
+    return _kernel("extend_attention", "extend_block_q")(kv_group, max_query_len)
+
+
 def _kernel(module: str, name: str):
     return getattr(importlib.import_module(f"worker.kernels.{module}"), name)
 
@@ -80,7 +84,8 @@ def configs(quick: bool):
             yield (f"decode_partial G={g} D={d}", "decode_attention", "_decode_partial_kernel",
                    {**shape, **dot, "KV_GROUP": g, "NUM_SPLITS": 4, "BLOCK_H": max(16, gp),
                     "BLOCK_N": 64}, {"num_warps": 4, "num_stages": 2})
-            for bq in sorted({max(1, 64 // gp), max(1, 16 // gp)}):
+            tiles = {extend_block_q(g, q) for q in ((1, 64) if quick else (1, 2, 4, 8, 16, 32, 64))}
+            for bq in sorted(tiles):  # every tile height a step can pick (the smallest and largest)
                 yield (f"extend G={g} BQ={bq} D={d}", "extend_attention", "_extend_kernel",
                        {**shape, **dot, "KV_GROUP": g, "GROUP_PAD": gp, "BLOCK_Q": bq,
                         "BLOCK_N": 64}, {"num_warps": 4 if bq * gp <= 64 else 8, "num_stages": 2})

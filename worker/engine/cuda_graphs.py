@@ -53,16 +53,27 @@ class DecodeGraphs:
         """Largest bucket first, so the smaller ones reuse its memory pool."""
         if not self.enabled:
             return
+        self.warm_up()
         pool = None
         for size in reversed(self.buckets):
             inputs = self.bucket_inputs(size)
-            self.step(inputs)  # warm-up: Triton compiles, lazy inits, allocator settles
-            torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 out = self.step(inputs)
             pool = graph.pool()
             self.graphs[size] = (graph, out)
+        torch.cuda.synchronize()
+
+    def warm_up(self) -> None:
+        """Every bucket once on a side stream, torch's documented pattern before capture: Triton
+        compiles, cuBLAS handles and lazy inits happen outside the graph, and the work they queue
+        never mixes with the default stream's."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for size in reversed(self.buckets):
+                self.step(self.bucket_inputs(size))
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
 
     def bucket_for(self, num_rows: int) -> int | None:

@@ -16,7 +16,7 @@ LOG2E = 1.4426950408889634
 EMPTY_LSE = tl.constexpr(-1.0e30)  # log-sum-exp of a split that saw no keys: weight 0 in the merge, never NaN
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table's width changes every step: one compile
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2

@@ -16,7 +16,7 @@ LOG2E = 1.4426950408889634
 NO_SCORE = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2 never sees inf - inf
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table's width changes every step: one compile
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -84,6 +84,16 @@ def _extend_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
 
+def extend_block_q(kv_group: int, max_query_len: int, block_m: int = 64) -> int:
+    """New tokens per program: block_m (token, head) rows, fewer for short queries (small tiles for
+    decode rows), never under 16 rows (tl.dot's minimum). Always a power of two from a short list:
+    each value is a kernel of its own, compiled on first use."""
+    group_pad = triton.next_power_of_2(kv_group)
+    block_q = max(1, block_m // group_pad)
+    block_q = min(block_q, triton.next_power_of_2(max(1, max_query_len)))
+    return max(block_q, triton.cdiv(16, group_pad))
+
+
 def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
@@ -107,9 +117,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if query.element_size() > 2:
         block_n = min(block_n, 32)  # fp32 tiles of 64 overflow the register file
     group_pad = triton.next_power_of_2(kv_group)
-    block_q = max(1, block_m // group_pad)
-    block_q = min(block_q, triton.next_power_of_2(max(1, max_query_len)))  # small tiles for decode rows
-    block_q = max(block_q, triton.cdiv(16, group_pad))  # tl.dot needs M >= 16
+    block_q = extend_block_q(kv_group, max_query_len, block_m)
     _extend_kernel[(num_seqs, kv_heads, triton.cdiv(max_query_len, block_q))](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,

@@ -1,4 +1,6 @@
 """Block pool invariants under random allocate / prefix-hit / decode / free / abort sequences."""
+import tracemalloc
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -63,11 +65,11 @@ class Sim:
             for b in seq.block_table:
                 refs[b] += 1
             self.check_content(seq, seq.num_computed_tokens)
-        assert [b.ref_cnt for b in pool.blocks] == refs  # never negative, exactly the users
-        assert set(pool.free_queue) == {b for b, r in enumerate(refs) if r == 0}  # free xor in use
-        for block_hash, b in pool.cached.items():
-            assert pool.blocks[b].block_hash == block_hash
-        assert {b.block_id for b in pool.blocks if b.block_hash is not None} == set(pool.cached.values())
+        assert list(pool.ref_cnts) == refs  # never negative, exactly the users
+        free = list(pool.free_queue)
+        assert len(free) == len(set(free)) == pool.num_free_blocks  # each free block once
+        assert set(free) == {b for b, r in enumerate(refs) if r == 0}  # free xor in use
+        assert {b: h for h, b in pool.cached.items()} == pool.block_hash  # a hash iff cached
 
 
 ops = st.lists(st.one_of(
@@ -102,7 +104,7 @@ def test_hits_share_blocks_and_cached_blocks_survive_until_evicted():
     sim.admit([1, 2, 3, 4, 6], None)
     first, second = (list(s.block_table) for s in sim.live)
     assert second[:2] == first[:2]
-    assert sim.pool.blocks[first[0]].ref_cnt == 2
+    assert sim.pool.ref_cnts[first[0]] == 2
     sim.end(0), sim.end(0)
     sim.admit([1, 2, 3, 4, 7], None)  # freed but still cached
     assert sim.live[0].block_table[:2] == first[:2]
@@ -138,7 +140,24 @@ def test_forgetting_the_cache_keeps_users_and_serves_no_more_hits():
     in_use = list(sim.live[0].block_table)
     sim.pool.forget_cached()
     sim.check()
-    assert not sim.pool.cached and sim.pool.blocks[in_use[0]].ref_cnt == 1
+    assert not sim.pool.cached and sim.pool.ref_cnts[in_use[0]] == 1
     assert set(list(sim.pool.free_queue)[:2]) == {3, 4}  # the freed sequence's, hashed or not
     sim.admit([1, 2, 3, 4, 9], None)
     assert set(sim.live[1].block_table).isdisjoint(in_use), "no hit after the cache was forgotten"
+
+
+def test_a_pool_of_millions_of_blocks_is_one_small_array():
+    """A GPU-sized pool of a small model has millions of blocks: no Python object per block."""
+    tracemalloc.start()
+    try:
+        pool = BlockPool(10_000_000, 16)
+        built, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert built < 48 << 20  # 4 bytes of ref count per block (a Block object each was ~250)
+    seq = Sequence("r", 0, list(range(40)), SamplingParams())
+    assert pool.allocate(seq, 40) and seq.block_table == [0, 1, 2]  # never-used blocks, in order
+    pool.free(seq)
+    assert pool.num_free_blocks == 10_000_000 and next(iter(pool.free_queue)) == 2  # unhashed first
+    again = Sequence("r", 0, list(range(33)), SamplingParams())
+    assert pool.match_prefix(again) == [0, 1]  # the full blocks stay cached

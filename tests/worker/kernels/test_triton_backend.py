@@ -2,7 +2,10 @@ import pytest
 import torch
 
 from worker.engine.attention import AttentionMetadata
-from worker.engine.triton_attention import TritonAttentionBackend, num_kv_splits
+from worker.engine.triton_attention import (MAX_EXTEND_TILE, TritonAttentionBackend, num_kv_splits,
+                                            powers_of_two)
+from worker.kernels.decode_attention import _decode_partial_kernel
+from worker.kernels.extend_attention import _extend_kernel, extend_block_q
 
 
 def _run_step(backend, batch, scale: float) -> torch.Tensor:
@@ -41,6 +44,34 @@ def test_split_count_fills_the_gpu_but_not_for_short_contexts():
     assert num_kv_splits(num_seqs=64, kv_heads=8, max_seq_len=4096, num_sms=132) >= 2
     assert num_kv_splits(num_seqs=1, kv_heads=8, max_seq_len=32768, num_sms=132) == 16
     assert num_kv_splits(num_seqs=1, kv_heads=8, max_seq_len=100, num_sms=132) == 1
+
+
+def test_every_split_count_and_tile_a_step_picks_is_one_warm_up_builds():
+    """Each split count and extend tile height is a kernel Triton compiles on first use (seconds
+    on a GPU): the steps of a run may only pick from the few that warm_up launches."""
+    splits = {num_kv_splits(b, h, n, sms) for b in range(1, 300) for h in (1, 2, 8)
+              for n in (1, 255, 257, 1000, 4096, 131072) for sms in (4, 132)}
+    assert splits == set(TritonAttentionBackend().split_choices()) == {1, 2, 4, 8, 16}
+    for group in (1, 2, 3, 4, 7, 8, 16):
+        tiles = {extend_block_q(group, q, MAX_EXTEND_TILE) for q in range(1, 5000)}
+        assert tiles == {extend_block_q(group, q, MAX_EXTEND_TILE) for q in powers_of_two(MAX_EXTEND_TILE)}
+
+
+def test_warm_up_launches_every_variant_and_leaves_the_caches_alone(device, paged_batch):
+    batch = paged_batch([5, 17], [1, 1], q_heads=4, kv_heads=2, device=device)
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    launched = TritonAttentionBackend().warm_up(batch.query, k_cache, v_cache, 0.3)
+    assert [n for kind, n in launched if kind == "decode"] == [1, 2, 4, 8, 16]
+    assert {n for kind, n in launched if kind == "extend"} == {extend_block_q(2, q) for q in range(1, 5000)}
+    assert torch.equal(k_cache, batch.k_cache) and torch.equal(v_cache, batch.v_cache)
+
+
+def test_the_block_table_width_is_not_a_kernel_variant():
+    """Triton specialises integer arguments equal to 1 or divisible by 16; the table's width (its
+    row stride) changes with the longest sequence of each eager step."""
+    for kernel in (_decode_partial_kernel, _extend_kernel):
+        options = getattr(kernel, "kwargs", None) or vars(kernel)  # interpreted or compiled
+        assert "stride_bt" in options["do_not_specialize"]
 
 
 def test_is_an_attention_backend():
