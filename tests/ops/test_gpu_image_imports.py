@@ -22,9 +22,11 @@ sys.modules["gpu_check"] = check
 spec.loader.exec_module(check)
 import check_engine, check_kernels  # the sections, beside check.py on the path it set
 new = {name.split(".")[0] for name in set(sys.modules) - before}
-ours = {n for n in new if getattr(sys.modules.get(n), "__file__", None)
-        and os.path.abspath(sys.modules[n].__file__).startswith(os.getcwd() + os.sep)}
-print(json.dumps(sorted(n for n in new - ours if n not in sys.stdlib_module_names and not n.startswith("_"))))
+def ours(name):  # the repo's own packages (a virtualenv inside the repo is not ours)
+    path = os.path.abspath(getattr(sys.modules.get(name), "__file__", None) or "/")
+    return path.startswith(os.getcwd() + os.sep) and not path.startswith(sys.prefix + os.sep)
+print(json.dumps(sorted(n for n in new if not ours(n) and n not in sys.stdlib_module_names
+                        and not n.startswith("_"))))
 """
 
 
