@@ -63,7 +63,7 @@ def start_stack(model_dir: Path, state: Path, engine: str, extra_env: dict | Non
                 args: list[str] | None = None) -> Stack:
     env = {**os.environ, **(extra_env or {})}
     cmd = [sys.executable, "-m", "kvgate", "up", "--model", str(model_dir), "--port", "0",
-           "--state-dir", str(state), "--engine", engine, *(args or [])]
+           "--state-dir", str(state), "--engine", engine, "--served-name", "demo", *(args or [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 240
