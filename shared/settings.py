@@ -1,6 +1,7 @@
 """One pydantic-settings class per process kind; all read `KVGATE_*` from the environment."""
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 
@@ -136,7 +137,7 @@ class WorkerSettings(CommonSettings):
 def served_name_for(model_dir: str | Path) -> str:
     """What a model folder is served as by default: its name (`Qwen3-0.6B`); a Hugging Face cache
     snapshot (`models--Qwen--Qwen3-0.6B/snapshots/<hash>`) is named after its repository."""
-    path = Path(model_dir).expanduser().resolve()
+    path = Path(os.path.abspath(Path(model_dir).expanduser()))  # `.` and `..` resolved, links kept
     if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
         return path.parent.parent.name.split("--")[-1]
     return path.name
