@@ -25,13 +25,15 @@ BF16_MARGIN = 0.9  # bf16 must take at most 90% of fp32's time: it costs precisi
 
 
 def choose_dtype(requested: str, device: torch.device, checkpoint_dtype: str | None,
-                 hidden_size: int, intermediate_size: int) -> tuple[torch.dtype, str]:
-    """(dtype, why in words) for the weights, activations and KV cache."""
+                 hidden_size: int, intermediate_size: int,
+                 flags: set[str] | None = None) -> tuple[torch.dtype, str]:
+    """(dtype, why in words) for the weights, activations and KV cache; `flags`: the CPU's native
+    bf16 flags (None: read this CPU's)."""
     if requested != "auto":
         return getattr(torch, requested), "--dtype"
     if device.type != "cpu":
         return getattr(torch, checkpoint_dtype or "float32"), "auto: the checkpoint's dtype on a GPU"
-    flags = native_bf16_flags()
+    flags = native_bf16_flags() if flags is None else flags
     if not flags:
         return torch.float32, "auto: fp32 on this CPU (no avx512_bf16/amx_bf16 flag: bf16 is emulated)"
     if checkpoint_dtype not in SIXTEEN_BIT:
