@@ -79,7 +79,8 @@ def _registry_entry(redis_url: str, worker_id: str, proc: subprocess.Popen, log)
 def _scrape(url: str, model: str) -> dict[str, float]:
     """Gauge name -> value of the series labelled with `model`."""
     values = {}
-    for match in re.finditer(r'^(kvgate_\w+)\{model="([^"]*)",version="v1"\} (\S+)$', httpx.get(url).text, re.M):
+    series = re.finditer(r'^(kvgate_\w+)\{model="([^"]*)",version="v1"\} (\S+)$', httpx.get(url).text, re.M)
+    for match in series:
         if match[2] == model:
             values[match[1]] = float(match[3])
     return values

@@ -39,7 +39,8 @@ def choose_dtype(requested: str, device: torch.device, checkpoint_dtype: str | N
     if checkpoint_dtype not in SIXTEEN_BIT:
         return torch.float32, f"auto: fp32, the checkpoint's precision ({checkpoint_dtype or 'unknown'})"
     try:
-        fp32, bf16 = (gemm_seconds(d, hidden_size, intermediate_size) for d in (torch.float32, torch.bfloat16))
+        fp32, bf16 = (gemm_seconds(d, hidden_size, intermediate_size)
+                      for d in (torch.float32, torch.bfloat16))
     except RuntimeError as exc:  # a torch build without bf16 kernels for this CPU
         return torch.float32, f"auto: fp32 (a bf16 GEMM failed here: {exc})"
     measured = f"{' '.join(sorted(flags))}; bf16 GEMMs {fp32 / bf16:.2f}x fp32's speed here"

@@ -87,8 +87,9 @@ def _write_config(path: Path, shape: dict, tokenizer) -> None:
         eos_token_id=eos[0], pad_token_id=tokenizer.pad_token_id, dtype="bfloat16")
     config.architectures = ["Qwen3ForCausalLM"]
     config.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos, "pad_token_id": tokenizer.pad_token_id}))
+    generation = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": eos,
+                  "pad_token_id": tokenizer.pad_token_id}
+    (path / "generation_config.json").write_text(json.dumps(generation))
 
 
 def _tensor_shapes(s: dict) -> dict[str, tuple[int, ...]]:
@@ -112,8 +113,8 @@ def _tensor_shapes(s: dict) -> dict[str, tuple[int, ...]]:
 
 
 def _write_shards(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, num_shards: int) -> None:
-    """Matrices ~ N(0, EMBED_STD or LAYER_STD), norms 1, in bf16; cut into shards of about equal size, with the
-    index a sharded download has."""
+    """Matrices ~ N(0, EMBED_STD or LAYER_STD), norms 1, in bf16; cut into shards of about equal
+    size, with the index a sharded download has."""
     import torch
     from safetensors.torch import save_file
 

@@ -9,7 +9,8 @@ CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("line, expected", [
-    ("flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 amx_int8", {"avx512_bf16", "amx_bf16"}),
+    ("flags\t\t: fpu sse2 avx2 fma avx512f avx512_bf16 amx_tile amx_bf16 amx_int8",
+     {"avx512_bf16", "amx_bf16"}),  # Intel Xeon Sapphire Rapids
     ("flags\t\t: fpu sse2 avx avx2 fma sha_ni vaes", set()),  # AMD EPYC Zen 3: emulated bf16
     ("Features\t: fp asimd sve bf16 i8mm", {"bf16"}),  # Arm Neoverse V1
 ])
