@@ -78,7 +78,7 @@ class Processes:
         shutil.rmtree(state, ignore_errors=True)
         state.mkdir(parents=True)
         proc = self.spawn(name, [sys.executable, "-m", "kvgate", "up", "--model", str(model_dir), "--port", "0",
-                                 "--state-dir", str(state), "--engine", engine], env)
+                                 "--state-dir", str(state), "--engine", engine, "--served-name", "demo"], env)
         deadline = time.monotonic() + 300
         while not (state / "dev.key").exists():
             if proc.poll() is not None or time.monotonic() > deadline:

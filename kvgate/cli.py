@@ -31,7 +31,8 @@ def demo_model(directory: str) -> None:
 @main.command()
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Local Hugging Face model folder")
-@click.option("--served-name", envvar="KVGATE_SERVED_NAME", default="demo", show_default=True)
+@click.option("--served-name", envvar="KVGATE_SERVED_NAME", default=None,
+              help="Model name clients ask for [default: the model folder's name]")
 @click.option("--version", "version_", envvar="KVGATE_VERSION", default="v1", show_default=True)
 @click.option("--engine", type=click.Choice(ENGINES), envvar="KVGATE_ENGINE", default="paged",
               show_default=True, help="synthetic: no model, fixed tokens (load tests of the serving path)")
@@ -43,7 +44,8 @@ def demo_model(directory: str) -> None:
 @click.option("--max-num-batched-tokens", type=int, default=None)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--block-size", type=int, default=None)
-@click.option("--kv-cache-memory", type=int, default=None, help="KV cache bytes (CPU)")
+@click.option("--kv-cache-memory", type=int, default=None,
+              help="KV cache bytes on CPU [default: measured, half the memory left after the weights]")
 @click.option("--gpu-memory-utilization", type=float, default=None)
 @click.option("--no-prefix-caching", is_flag=True, default=False)
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
@@ -61,8 +63,10 @@ def worker(model, served_name, version_, engine, redis_url, no_prefix_caching, *
     overrides = {k: v for k, v in engine_opts.items() if v is not None}
     if no_prefix_caching:
         overrides["enable_prefix_caching"] = False
-    settings = WorkerSettings(model=model, served_name=served_name, version=version_,
-                              engine=engine, redis_url=redis_url, **overrides)
+    if served_name:
+        overrides["served_name"] = served_name
+    settings = WorkerSettings(model=model, version=version_, engine=engine, redis_url=redis_url,
+                              **overrides)
     run_worker(settings)
 
 
@@ -113,7 +117,8 @@ def _metrics_dir():
 @main.command()
 @click.option("--model", envvar="MODEL", default=None,
               help="Hugging Face model folder (default: the demo model, built once)")
-@click.option("--served-name", default="demo", show_default=True)
+@click.option("--served-name", default=None,
+              help="Model name clients ask for [default: the model folder's name; `demo` for the demo]")
 @click.option("--version", "version_", default="v1", show_default=True)
 @click.option("--engine", type=click.Choice(ENGINES), default="paged", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True, help="Gateway port (0 = any free)")
@@ -134,13 +139,15 @@ def bench() -> None:
 
 
 @bench.command("engine")
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Model folder to measure [default: a random ~58M Llama built for the run]")
 @click.option("--quick", is_flag=True, help="A smaller version of each workload (smoke check)")
 @click.option("--out", default="bench-out/engine.json", show_default=True)
-def bench_engine(quick: bool, out: str) -> None:
+def bench_engine(model: str | None, quick: bool, out: str) -> None:
     """W1 throughput, W2 prefix cache, W3 KV efficiency: kvgate vs transformers, one process."""
     from worker.engine.bench import run_bench
 
-    run_bench(quick=quick, out_json=out)
+    run_bench(quick=quick, out_json=out, model_dir=model)
 
 
 from kvgate.bench_serve import serve_command  # noqa: E402  (client-side serving benchmark)

@@ -24,6 +24,7 @@ import httpx
 from shared.backoff import Backoff
 from shared.logs import JsonFormatter
 from shared.redis_server import RedisServer, free_port
+from shared.settings import served_name_for
 
 READY_TIMEOUT_S = 600
 RESTART_FIRST_S, RESTART_CAP_S = 1.0, 30.0
@@ -197,6 +198,7 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
     state = Path(state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     model_dir = Path(model).resolve() if model else default_model_dir()
+    served_name = served_name or (served_name_for(model_dir) if model else "demo")
     port = port or free_port()
     stack = Stack(state)
     stopping = False

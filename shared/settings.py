@@ -1,10 +1,11 @@
 """One pydantic-settings class per process kind; all read `KVGATE_*` from the environment."""
 from __future__ import annotations
 
+import os
 import secrets
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -83,17 +84,25 @@ class GatewaySettings(FilesSettings):
 
 class WorkerSettings(CommonSettings):
     model: str = Field("", description="Local Hugging Face model folder")
-    served_name: str = Field("demo", description="Model name clients ask for")
+    served_name: str = Field("", description="Model name clients ask for (default: the model "
+                             "folder's name)")
     version: str = Field("v1", description="Version of the served name this worker serves")
     engine: str = Field("paged", description="paged (continuous batching) or hf (naive baseline)")
     device: str = Field("auto", description="cpu, cuda or auto")
-    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (from config)")
+    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (GPU: the "
+                       "checkpoint's; CPU: fp32, or bf16 where the CPU has native bf16, the "
+                       "checkpoint is 16-bit and a start-up measurement finds it faster)")
     max_num_seqs: int = Field(64, description="Cap on concurrently running sequences")
     max_num_batched_tokens: int | None = Field(None, description="Token budget per engine step "
                                                "(default: 2048 on CUDA, 256 on CPU)")
-    max_model_len: int | None = Field(None, description="Context cap (default: model's)")
+    max_model_len: int | None = Field(None, ge=1, description="Context cap (default: the "
+                                      "model's, lowered to what the KV cache holds; an explicit "
+                                      "one the KV cache cannot hold stops the worker at start-up)")
     block_size: int = Field(16, description="Tokens per KV block")
-    kv_cache_memory: int = Field(512 << 20, description="KV cache bytes on CPU")
+    kv_cache_memory: int | None = Field(None, ge=1, description="KV cache bytes on CPU (default: "
+                                        "half the memory available after the weights load, at "
+                                        "least 256 MiB, at most 32 GiB and what max_num_seqs "
+                                        "sequences of max_model_len tokens could use)")
     gpu_memory_utilization: float = Field(0.9, description="Share of GPU memory to use on CUDA")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prefixes")
     torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads on CPU "
@@ -125,6 +134,21 @@ class WorkerSettings(CommonSettings):
     metrics_host: str = Field("127.0.0.1", description="Bind address of the worker's /metrics")
     metrics_port: int = Field(0, ge=0, description="Port of the worker's /metrics (0: any free "
                               "port; the URL is in its registry entry)")
+
+    @model_validator(mode="after")
+    def _name_from_folder(self) -> WorkerSettings:
+        if not self.served_name and self.model:
+            self.served_name = served_name_for(self.model)
+        return self
+
+
+def served_name_for(model_dir: str | Path) -> str:
+    """What a model folder is served as by default: its name (`Qwen3-0.6B`); a Hugging Face cache
+    snapshot (`models--Qwen--Qwen3-0.6B/snapshots/<hash>`) is named after its repository."""
+    path = Path(os.path.abspath(Path(model_dir).expanduser()))  # `.` and `..` resolved, links kept
+    if path.parent.name == "snapshots" and path.parent.parent.name.startswith("models--"):
+        return path.parent.parent.name.split("--")[-1]
+    return path.name
 
 
 class ServicesSettings(FilesSettings):

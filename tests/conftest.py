@@ -36,6 +36,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_model_dir(tmp_path_factory.mktemp("tiny-llama"), **TINY)
 
 
+@pytest.fixture(scope="session")
+def qwen3_06b_dir(tmp_path_factory) -> Path:
+    """A random-weight folder in Qwen3-0.6B's exact shape (bf16 shards, vocab 151,936, 40,960
+    context; ~1.2 GB, built in ~20 s), named like the real one."""
+    from worker.models.shaped import build_qwen3_06b_dir
+
+    return build_qwen3_06b_dir(tmp_path_factory.mktemp("qwen3") / "Qwen3-0.6B")
+
+
 @dataclass
 class Stack:
     url: str
@@ -63,7 +72,7 @@ def start_stack(model_dir: Path, state: Path, engine: str, extra_env: dict | Non
                 args: list[str] | None = None) -> Stack:
     env = {**os.environ, **(extra_env or {})}
     cmd = [sys.executable, "-m", "kvgate", "up", "--model", str(model_dir), "--port", "0",
-           "--state-dir", str(state), "--engine", engine, *(args or [])]
+           "--state-dir", str(state), "--engine", engine, "--served-name", "demo", *(args or [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 240

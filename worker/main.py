@@ -1,10 +1,14 @@
 """`kvgate worker`: build the engine the settings name and serve its stream until SIGTERM/SIGINT."""
 from __future__ import annotations
 
+import logging
 import signal
 
 from shared import logs, telemetry
 from shared.settings import WorkerSettings
+from worker.engine.kv_budget import KVCacheTooSmall
+
+log = logging.getLogger("kvgate.worker")
 
 
 def build_engine(s: WorkerSettings):
@@ -12,7 +16,8 @@ def build_engine(s: WorkerSettings):
     if s.engine == "hf":
         from worker.engine.hf_engine import HFEngine
 
-        return HFEngine.from_model_dir(s.model, device=_device(s.device), dtype=s.dtype)
+        return HFEngine.from_model_dir(s.model, device=_device(s.device), dtype=s.dtype,
+                                       max_model_len=s.max_model_len)
     if s.engine == "paged":
         from worker.engine.engine import LLMEngine
 
@@ -46,8 +51,13 @@ def run_worker(s: WorkerSettings) -> None:
         import torch
 
         torch.set_num_threads(s.torch_threads)
-    engine = build_engine(s)
+    try:
+        engine = build_engine(s)
+    except KVCacheTooSmall as exc:  # a setting to change, not a crash: say which, no traceback
+        log.error("%s", exc)
+        raise SystemExit(f"kvgate worker: {exc}") from None
     service = WorkerService(s, engine, engine.tokenizer)
+    service.metrics.describe_engine(engine.max_model_len, engine.kv_cache)
     service.metrics.serve(s.metrics_host, s.metrics_port)
     signal.signal(signal.SIGTERM, lambda *_: service.drain())  # finish in-flight, then exit
     signal.signal(signal.SIGINT, lambda *_: service.stop())

@@ -61,6 +61,42 @@ class EngineCollector:
             yield c
 
 
+# KVCacheFacts attribute -> gauge, help: fixed at start-up (what the start-up line says)
+KV_GAUGES = (
+    ("num_blocks", "kvgate_kv_cache_blocks", "KV cache blocks allocated at start-up"),
+    ("tokens", "kvgate_kv_cache_tokens", "Tokens the KV cache holds (blocks x block size)"),
+    ("bytes", "kvgate_kv_cache_bytes", "Bytes of the KV cache (K and V, every layer)"),
+    ("max_concurrency", "kvgate_kv_cache_max_concurrency", "Sequences of max_model_len tokens the "
+     "KV cache holds at once"),
+)
+
+
+class StartupCollector:
+    """What the engine was sized to at start-up: the context, the KV cache, and vLLM's
+    cache_config_info (value 1, the settings as labels). No KV series for engines without a
+    paged pool (hf, synthetic)."""
+
+    def __init__(self, labels: tuple[str, str], max_model_len: int, kv):
+        self.labels, self.max_model_len, self.kv = list(labels), max_model_len, kv
+
+    def collect(self):
+        g = GaugeMetricFamily("kvgate_max_model_len", "Context length served (after start-up's "
+                              "sizing: the model's, lowered to what the KV cache holds)", labels=LABELS)
+        g.add_metric(self.labels, self.max_model_len)
+        yield g
+        if self.kv is None:
+            return
+        for attr, name, doc in KV_GAUGES:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(self.labels, float(getattr(self.kv, attr)))
+            yield g
+        info = GaugeMetricFamily("kvgate_cache_config_info", "KV cache configuration (vLLM's "
+                                 "cache_config_info)", labels=(*LABELS, "block_size", "num_blocks",
+                                                               "cache_dtype"))
+        info.add_metric([*self.labels, str(self.kv.block_size), str(self.kv.num_blocks), self.kv.dtype], 1)
+        yield info
+
+
 @dataclass
 class _Timing:
     """One admitted request as the worker saw it (Unix seconds)."""
@@ -110,6 +146,10 @@ class WorkerMetrics:
             self.failed.labels(*self.labels, code)
         self.timings: dict[str, _Timing] = {}
         self.url: str | None = None
+
+    def describe_engine(self, max_model_len: int, kv) -> None:
+        """Export what start-up sized the engine to (`kv`: its KVCacheFacts, or None)."""
+        self.registry.register(StartupCollector(self.labels, max_model_len, kv))
 
     def serve(self, host: str, port: int) -> str:
         """Start /metrics on its own port (0: any free one); its URL."""

@@ -490,7 +490,8 @@ class WorkerService:
     def _info(self) -> dict:
         return {"worker_id": self.s.worker_id, "served_name": self.s.served_name,
                 "version": self.s.version, "engine": self.s.engine, "stream": self.stream,
-                "max_model_len": self.engine.max_model_len, "vocab_size": self.engine.vocab_size,
+                "max_model_len": self.engine.max_model_len, **self.engine.kv_cache_fields(),
+                "vocab_size": self.engine.vocab_size,
                 "eos_token_ids": sorted(self.engine.eos_token_ids),
                 "bos_token_id": self.engine.bos_token_id, "schema": protocol.SCHEMA_VERSION,
                 "draining": self.drain_deadline is not None,

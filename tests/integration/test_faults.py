@@ -50,8 +50,9 @@ class Cluster:
         return proc
 
     def start_worker(self, name: str, *flags: str, **env) -> subprocess.Popen:
-        proc = self._spawn(name, ["worker", "--model", str(self.model_dir), "--redis-url",
-                                  self.redis.url, *flags], {**FAST_HEARTBEAT, "KVGATE_WORKER_ID": name, **env})
+        proc = self._spawn(name, ["worker", "--model", str(self.model_dir), "--served-name", "demo",
+                                  "--redis-url", self.redis.url, *flags],
+                           {**FAST_HEARTBEAT, "KVGATE_WORKER_ID": name, **env})
         _wait(lambda: self.info(name) is not None, proc)
         return proc
 

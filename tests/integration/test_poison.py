@@ -172,7 +172,8 @@ def test_a_request_that_crashes_every_worker_is_retired_after_n_deliveries(clust
                 if proc.poll() is not None:
                     deaths.append(name)
                     procs[name] = cluster._spawn(name, ["worker", "--model", str(cluster.model_dir),
-                                                        "--redis-url", cluster.redis.url],
+                                                        "--served-name", "demo", "--redis-url",
+                                                        cluster.redis.url],
                                                  {"KVGATE_HEARTBEAT_S": "0.3", "KVGATE_HEARTBEAT_TTL_S": "2",
                                                   "KVGATE_WORKER_ID": name, **env})
             time.sleep(0.1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 
+from worker.engine.kv_budget import NO_KV_FIELDS, KVCacheFacts
 from worker.engine.types import EngineRejected, RequestError, Resume, SamplingParams
 
 log = logging.getLogger("kvgate.worker")
@@ -20,6 +21,8 @@ MAX_N = 16  # choices per request: each is a sequence with its own KV
 
 
 class ModelFacts:
+    kv_cache: KVCacheFacts | None = None  # the paged engine's pool; none in hf and synthetic
+
     def __init__(self, tokenizer, eos_token_ids, max_model_len: int, vocab_size: int):
         self._tokenizer = tokenizer
         self._eos_token_ids = set(eos_token_ids)
@@ -41,6 +44,10 @@ class ModelFacts:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    def kv_cache_fields(self) -> dict:
+        """The registry entry's kv_* fields (None where the engine has no paged pool)."""
+        return self.kv_cache.registry_fields() if self.kv_cache else dict(NO_KV_FIELDS)
 
     @property
     def vocab_size(self) -> int:

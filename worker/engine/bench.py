@@ -1,4 +1,5 @@
-"""`kvgate bench engine`: the paged engine against transformers on one random ~58M Llama, same process.
+"""`kvgate bench engine`: the paged engine against transformers in one process, on a random ~58M
+Llama built for the run or on any model folder (`--model DIR`), in the dtype the engine picks.
 
 W1 throughput: output tokens/s of transformers one request at a time, transformers in left-padded
 static batches of 8, and the engine with every request submitted at once; plus the engine's
@@ -12,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import random
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -22,13 +25,16 @@ from pathlib import Path
 import torch
 
 from worker.engine.engine import LLMEngine
+from worker.engine.kv_budget import cdiv
 from worker.engine.types import SamplingParams
+from worker.models.loader import read_model_config
 
 MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
              intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048)
 # Offline throughput runs take the GPU-sized step budget (the CPU serving default, 256, trades a
 # little throughput for short prompts' TTFT beside long ones); the published table was measured so.
 STEP_BUDGET = 2048
+MAX_LEN = 2048  # every workload's context (capped by the model's): W3's reservation is in these
 TARGETS = {"w1.vs_sequential": (">=", 8.0), "w1.vs_static": (">=", 3.0), "w1.flops_share": (">=", 0.5),
            "w2.ttft_ratio": ("<=", 0.1), "w2.hit_rate": None, "w3.concurrency_ratio": (">=", 5.0),
            "w3.slot_use": (">=", 0.95)}
@@ -66,10 +72,26 @@ def build_model(path: Path) -> Path:
     return path
 
 
-def w1_requests(sizes: Sizes, seed: int = 1) -> list[tuple[list[int], int]]:
+def w1_requests(sizes: Sizes, vocab_size: int, seed: int = 1) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(100, MODEL["vocab_size"]) for _ in range(rng.randint(*sizes.w1_prompt))],
+    return [([rng.randrange(100, vocab_size) for _ in range(rng.randint(*sizes.w1_prompt))],
              rng.randint(*sizes.w1_output)) for _ in range(sizes.w1_requests)]
+
+
+def cpu_name() -> str:
+    """lscpu's model name (what a reader compares machines by), else /proc/cpuinfo's, else Python's."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    try:
+        out += open("/proc/cpuinfo").read()
+    except OSError:
+        pass
+    for line in out.splitlines():
+        if line.lower().startswith("model name") and ":" in line:
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def mm_peak(n: int = 2048, reps: int = 5) -> float:
@@ -151,19 +173,24 @@ def run_engine(engine: LLMEngine, reqs, on_step=None) -> dict:
 
 
 def workload_1(model_dir: Path, sizes: Sizes) -> dict:
+    """The pool holds every request at once: W1 measures throughput, not preemption."""
     from transformers import AutoModelForCausalLM
 
-    reqs = w1_requests(sizes)
+    cfg = read_model_config(model_dir)
+    reqs = w1_requests(sizes, cfg.vocab_size)
     peak = mm_peak()
-    engine = LLMEngine.from_model_dir(model_dir, kv_cache_memory=1 << 30, max_num_seqs=256,
-                                      max_num_batched_tokens=STEP_BUDGET)
+    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    blocks = max(sum(cdiv(len(p) + n, 16) for p, n in reqs), cdiv(max_len, 16))
+    engine = LLMEngine.from_model_dir(model_dir, num_blocks=blocks, block_size=16, max_model_len=max_len,
+                                      max_num_seqs=256, max_num_batched_tokens=STEP_BUDGET)
     run_engine(engine, reqs[:4])  # warm-up
     result = run_engine(engine, reqs)
     engine_tps = result["tokens"] / result["seconds"]
     params = matmul_params(engine)
     embed_params = engine.runner.model.model.embed_tokens.weight.numel()
+    dtype = engine.runner.dtype
     del engine
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
     hf.generation_config.pad_token_id = 0
     static_tps = hf_static(hf, reqs)
     seq_tps = hf_sequential(hf, reqs)
@@ -172,7 +199,7 @@ def workload_1(model_dir: Path, sizes: Sizes) -> dict:
     shares = decode_flops(result["decode_steps"], peak, 2 * embed_params)
     shares["flops_share_vs_engine_gemm_peak"] = shares["decode_flops"] / gemm_peak
     return {
-        "requests": len(reqs), "output_tokens": result["tokens"], "sequential_tok_s": seq_tps,
+        "dtype": str(dtype).removeprefix("torch."), "requests": len(reqs), "output_tokens": result["tokens"], "sequential_tok_s": seq_tps,
         "static_tok_s": static_tps, "engine_tok_s": engine_tps, "vs_sequential": engine_tps / seq_tps,
         "vs_static": engine_tps / static_tps, "mm_peak_flops": peak, "engine_gemm_peak_flops": gemm_peak,
         "matmul_params": params, **shares,
@@ -198,12 +225,16 @@ def decode_flops(steps: list[tuple[int, float, float]], peak: float, embed_flops
 
 
 def workload_2(model_dir: Path, sizes: Sizes) -> dict:
-    rng = random.Random(2)
-    prefix = [rng.randrange(100, MODEL["vocab_size"]) for _ in range(sizes.w2_prefix)]
-    prompts = [prefix + [rng.randrange(100, MODEL["vocab_size"]) for _ in range(32)] for _ in range(sizes.w2_requests)]
+    """Sequential requests: a pool of four requests' blocks keeps the shared prefix cached."""
+    rng, cfg = random.Random(2), read_model_config(model_dir)
+    prefix = [rng.randrange(100, cfg.vocab_size) for _ in range(sizes.w2_prefix)]
+    prompts = [prefix + [rng.randrange(100, cfg.vocab_size) for _ in range(32)] for _ in range(sizes.w2_requests)]
+    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    blocks = max(4 * cdiv(len(prompts[0]) + sizes.w2_output, 16), cdiv(max_len, 16))
     out = {}
     for caching in (True, False):
-        engine = LLMEngine.from_model_dir(model_dir, enable_prefix_caching=caching,
+        engine = LLMEngine.from_model_dir(model_dir, enable_prefix_caching=caching, num_blocks=blocks,
+                                          block_size=16, max_model_len=max_len,
                                           max_num_batched_tokens=STEP_BUDGET)
         ttfts = [_ttft(engine, str(i), p, sizes.w2_output) for i, p in enumerate(prompts)]
         out["on" if caching else "off"] = statistics.median(ttfts)
@@ -227,14 +258,13 @@ def _ttft(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int
 
 
 def workload_3(model_dir: Path, sizes: Sizes) -> dict:
-    from worker.models.loader import read_model_config
-
-    max_len = 2048
+    """A pool of w3_reserved_seqs sequences of max_len tokens: how many run at once when blocks
+    are allocated as sequences grow, against that many when each reserves its whole context."""
     cfg = read_model_config(model_dir)
-    token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # K and V, fp32
-    budget = sizes.w3_reserved_seqs * max_len * token_bytes
-    engine = LLMEngine.from_model_dir(model_dir, kv_cache_memory=budget, max_model_len=max_len, max_num_seqs=256,
-                                      max_num_batched_tokens=STEP_BUDGET)
+    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    blocks = sizes.w3_reserved_seqs * cdiv(max_len, 16)
+    engine = LLMEngine.from_model_dir(model_dir, num_blocks=blocks, block_size=16, max_model_len=max_len,
+                                      max_num_seqs=256, max_num_batched_tokens=STEP_BUDGET)
     samples = {"peak": 0, "live": 0, "allocated": 0}
 
     def sample(e: LLMEngine) -> None:
@@ -243,30 +273,45 @@ def workload_3(model_dir: Path, sizes: Sizes) -> dict:
         samples["live"] += sum(s.num_computed_tokens for s in running)
         samples["allocated"] += sum(len(s.block_table) for s in running) * e.pool.block_size
 
-    run_engine(engine, w1_requests(sizes), on_step=sample)
-    reserved = budget // (max_len * token_bytes)
-    return {"kv_budget_bytes": budget, "max_model_len": max_len, "reserved_seqs": reserved,
+    run_engine(engine, w1_requests(sizes, cfg.vocab_size), on_step=sample)
+    reserved = sizes.w3_reserved_seqs
+    return {"kv_budget_bytes": engine.kv_cache.bytes, "max_model_len": max_len, "reserved_seqs": reserved,
             "peak_concurrent": samples["peak"], "concurrency_ratio": samples["peak"] / reserved,
             "slot_use": samples["live"] / max(samples["allocated"], 1),
             "num_preemptions": engine.stats()["num_preemptions"]}
 
 
-def run_bench(quick: bool = False, out_json: str | None = "bench_engine.json") -> dict:
+def run_bench(quick: bool = False, out_json: str | None = "bench_engine.json",
+              model_dir: str | Path | None = None) -> dict:
+    """On `model_dir`, or on the random Llama of MODEL built for the run."""
     sizes = Sizes.quick() if quick else Sizes()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_model(Path(tmp) / "bench-llama")
-        report = {"quick": quick, "threads": torch.get_num_threads(), "model": MODEL,
-                  "w1": workload_1(model_dir, sizes), "w2": workload_2(model_dir, sizes),
-                  "w3": workload_3(model_dir, sizes)}
+        path = Path(model_dir) if model_dir else build_model(Path(tmp) / "bench-llama")
+        report = {"quick": quick, "cpu": cpu_name(), "threads": torch.get_num_threads(),
+                  "model": describe_model(path) if model_dir else MODEL,
+                  "w1": workload_1(path, sizes), "w2": workload_2(path, sizes),
+                  "w3": workload_3(path, sizes)}
     print(format_table(report))
     if out_json:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(report, indent=2))
     return report
 
 
+def describe_model(model_dir: Path) -> dict:
+    cfg = read_model_config(model_dir)
+    return {"dir": str(model_dir), "arch": cfg.arch, "hidden_size": cfg.hidden_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "intermediate_size": cfg.intermediate_size,
+            "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_position_embeddings,
+            "checkpoint_dtype": cfg.dtype}
+
+
 def format_table(report: dict) -> str:
     rows = ["quick run: smaller workloads, the targets are for the full run"] if report["quick"] else []
+    rows.append(f"on {report['cpu']}, {report['threads']} torch threads; model "
+                f"{Path(report['model'].get('dir', 'random Llama')).name}")
     rows.append(f"{'metric':<22}{'value':>12}  {'target':<8}{'met':<4}")
     for name, target in TARGETS.items():
         section, key = name.split(".")
@@ -289,8 +334,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvgate bench engine", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller workloads, for smoke checks")
     parser.add_argument("--out", default="bench_engine.json", help="where to write the JSON report")
+    parser.add_argument("--model", default=None, help="model folder (default: a random Llama)")
     args = parser.parse_args(argv)
-    run_bench(args.quick, args.out)
+    run_bench(args.quick, args.out, args.model)
     return 0
 
 

@@ -10,9 +10,9 @@ import torch
 class EngineConfig:
     model_dir: str
     device: str = "auto"  # cpu, cuda, cuda:N or auto
-    dtype: str = "auto"  # float32, bfloat16, float16 or auto (fp32 on CPU, the config's on GPU)
+    dtype: str = "auto"  # float32, bfloat16, float16 or auto (see dtype.py)
     block_size: int = 16  # tokens per KV block
-    kv_cache_memory: int = 512 << 20  # KV bytes on CPU
+    kv_cache_memory: int | None = None  # KV bytes on CPU; None: measured (kv_budget.CPU_RULE)
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole process may use
     max_num_seqs: int = 64  # cap on running sequences
     max_num_batched_tokens: int | None = None  # token budget per step; None: by device, see below
@@ -35,11 +35,3 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
-
-    def torch_dtype(self, config_dtype: str | None) -> torch.dtype:
-        """Half-precision matmuls on CPU are slow and inexact, so `auto` means fp32 there."""
-        name = self.dtype
-        if name == "auto":
-            on_cpu = self.torch_device().type == "cpu"
-            name = "float32" if on_cpu or not config_dtype else config_dtype
-        return getattr(torch, name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from worker.engine.base import ModelFacts, request_error, step_error
+from worker.engine.base import ModelFacts, log, request_error, step_error
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
 from worker.engine.detokenizer import IncrementalDetokenizer
@@ -20,8 +20,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import check_finish, release_text
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import (EngineRejected, RequestError, RequestOutput, Resume, SamplingParams,
-                                 TokenLogprob)
+from worker.engine.types import RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.loader import read_model_config
 
 
@@ -30,10 +29,11 @@ class LLMEngine(ModelFacts):
         self.config = config
         self.model_config = read_model_config(config.model_dir)
         tokenizer = load_tokenizer(config.model_dir)
-        super().__init__(tokenizer, eos_token_ids(config.model_dir, tokenizer),
-                         config.max_model_len or self.model_config.max_position_embeddings,
-                         self.model_config.vocab_size)
-        self.runner = ModelRunner(config, self.model_config, self._eos_token_ids, self.max_model_len)
+        eos_ids = eos_token_ids(config.model_dir, tokenizer)
+        self.runner = ModelRunner(config, self.model_config, eos_ids)
+        self.kv_cache = self.runner.kv  # max_model_len is its effective one: what the pool holds
+        super().__init__(tokenizer, eos_ids, self.kv_cache.max_model_len, self.model_config.vocab_size)
+        log.info(self.kv_cache.line(), extra={**self.kv_cache_fields(), "max_model_len": self.max_model_len})
         self.pool = BlockPool(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool)
         self.requests: dict[str, list[Sequence]] = {}
@@ -47,7 +47,10 @@ class LLMEngine(ModelFacts):
                     resume: Resume | None = None) -> None:
         """All or nothing: the sequences are built (and a resumed one's tokens replayed) before any
         enters the scheduler, so a request that raises here leaves no trace in the engine."""
-        self._check_admission(prompt_ids, params, resume)
+        # Nothing is reserved: blocks are allocated as the sequence grows, preemption handles
+        # pressure, and start-up sized max_model_len to what the pool holds, so whatever passes
+        # the context check (a request without max_tokens: the rest of the context) can run.
+        self.check_request(prompt_ids, params, resume)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         resume = resume or Resume()
@@ -62,16 +65,6 @@ class LLMEngine(ModelFacts):
         for seq in seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = seqs
-
-    def _check_admission(self, prompt_ids: list[int], params: SamplingParams,
-                         resume: Resume | None) -> None:
-        """Reject what could never run, rather than let it wait forever (or crash a step)."""
-        total = self.check_request(prompt_ids, params, resume)
-        blocks = self.pool.blocks_for(total)
-        if blocks > self.pool.num_blocks:
-            raise EngineRejected(
-                f"prompt + max_tokens = {total} tokens needs {blocks} KV blocks of {self.pool.block_size} "
-                f"tokens, but the whole KV pool has {self.pool.num_blocks} blocks")
 
     def abort(self, request_id: str) -> None:
         """Blocks are freed now; each unfinished choice reports finish_reason "abort" next step."""

@@ -45,20 +45,23 @@ class HFEngine(ModelFacts):
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
 
     @classmethod
-    def from_model_dir(
-        cls, model_dir: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto"
-    ) -> HFEngine:
-        """fp32 on CPU (half-precision matmuls there are slow and inexact); config dtype on CUDA."""
+    def from_model_dir(cls, model_dir: str | Path, device: str = "cpu", dtype: str = "auto",
+                       max_model_len: int | None = None) -> HFEngine:
+        """`auto` picks the dtype as the paged engine does (dtype.py), so benchmarks compare like
+        with like; max_model_len as given (the worker's setting), else the model's."""
         from transformers import AutoModelForCausalLM
 
-        if dtype == "auto" and torch.device(device).type == "cpu":
-            dtype = "float32"
-        torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+        from worker.engine.dtype import choose_dtype
+        from worker.models.loader import read_model_config
+
+        cfg = read_model_config(model_dir)
+        torch_dtype, _ = choose_dtype(dtype, torch.device(device), cfg.dtype, cfg.hidden_size,
+                                      cfg.intermediate_size)
         model = AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=torch_dtype, local_files_only=True
         ).to(device)
         tokenizer = load_tokenizer(model_dir)
-        max_len = model.config.max_position_embeddings
+        max_len = max_model_len or model.config.max_position_embeddings
         return cls(model, tokenizer, eos_token_ids(model_dir, tokenizer), max_len)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,

@@ -1,6 +1,7 @@
 """Owns the model, the paged KV cache and the sampler; runs one flattened batch per step."""
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import partial
@@ -10,11 +11,15 @@ import torch
 from worker.engine.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
+from worker.engine.dtype import choose_dtype
+from worker.engine.kv_budget import GROW, KVCacheFacts, KVCacheTooSmall, cdiv, cpu_budget, fit_max_model_len
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
 from worker.engine.types import TokenLogprob
 from worker.models.loader import ModelConfig, load_model
+
+log = logging.getLogger("kvgate.worker")
 
 
 @dataclass
@@ -45,17 +50,16 @@ def make_backend(name: str, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int],
-                 max_model_len: int):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int]):
         self.device = config.torch_device()
-        self.dtype = config.torch_dtype(model_cfg.dtype)
+        self.dtype, why = choose_dtype(config.dtype, self.device, model_cfg.dtype, model_cfg.hidden_size,
+                                       model_cfg.intermediate_size)
+        log.info("dtype %s (%s)", _dtype_name(self.dtype), why)
         self.block_size = config.block_size
-        self.max_model_len = max_model_len
         self.backend = make_backend(config.attention_backend, self.device)
         self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend)
-        self.num_blocks = config.num_blocks or self._blocks_from_budget(config, model_cfg)
-        if self.num_blocks < 1:
-            raise ValueError(f"the KV budget leaves no room for a single block of {self.block_size} tokens")
+        self.kv = self._size_kv_cache(config, model_cfg)
+        self.num_blocks, self.max_model_len = self.kv.num_blocks, self.kv.max_model_len
         shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
@@ -106,17 +110,44 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def _blocks_from_budget(self, config: EngineConfig, cfg: ModelConfig) -> int:
-        """CPU: the byte budget. CUDA: the utilisation share of the card, minus what is in use and
-        a reserve for one step's activations (weights are loaded by now)."""
-        if self.device.type != "cuda":
-            return config.kv_cache_memory // self._block_bytes(cfg)
+    def _size_kv_cache(self, config: EngineConfig, cfg: ModelConfig) -> KVCacheFacts:
+        """Blocks from the budget (the weights are loaded by now), then the context they hold."""
+        block_bytes = self._block_bytes(cfg)
+        num_blocks, knob, source = self._pool_blocks(config, cfg, block_bytes)
+        wanted = config.max_model_len or cfg.max_position_embeddings
+        if num_blocks < 1:
+            need = cdiv(wanted, self.block_size)
+            raise KVCacheTooSmall(f"the KV budget ({source}) leaves no room for a single block of "
+                                  f"{self.block_size} tokens ({block_bytes} bytes): "
+                                  + GROW[knob].format(bytes=need * block_bytes, blocks=need))
+        max_len = fit_max_model_len(config.max_model_len, cfg.max_position_embeddings, num_blocks,
+                                    self.block_size, block_bytes, knob)
+        return KVCacheFacts(num_blocks, self.block_size, block_bytes, max_len, _dtype_name(self.dtype),
+                            source)
+
+    def _pool_blocks(self, config: EngineConfig, cfg: ModelConfig, block_bytes: int) -> tuple[int, str, str]:
+        """(blocks, the setting that sized them, how in words): num_blocks (tests), the GPU share,
+        --kv-cache-memory, or the CPU budget measured now."""
+        if config.num_blocks:
+            return config.num_blocks, "num_blocks", "num_blocks"
+        if self.device.type == "cuda":
+            return (self._gpu_blocks(config, cfg, block_bytes), "gpu_memory_utilization",
+                    f"--gpu-memory-utilization {config.gpu_memory_utilization:g}")
+        if config.kv_cache_memory is not None:
+            return config.kv_cache_memory // block_bytes, "kv_cache_memory", "--kv-cache-memory"
+        budget, source = cpu_budget(block_bytes, self.block_size, config.max_num_seqs,
+                                    config.max_model_len or cfg.max_position_embeddings)
+        return budget // block_bytes, "kv_cache_memory", source
+
+    def _gpu_blocks(self, config: EngineConfig, cfg: ModelConfig, block_bytes: int) -> int:
+        """The utilisation share of the card, minus what is in use and a reserve for one step's
+        activations (weights are loaded by now)."""
         free, total = torch.cuda.mem_get_info(self.device)
         elem = torch.empty((), dtype=self.dtype).element_size()
         width = 8 * cfg.hidden_size + 4 * cfg.intermediate_size + 3 * cfg.num_heads * cfg.head_dim
         activations = config.max_num_batched_tokens * width * elem + 4 * config.max_num_seqs * cfg.vocab_size * 4
         budget = config.gpu_memory_utilization * total - (total - free) - activations
-        return max(int(budget) // self._block_bytes(cfg), 0)
+        return max(int(budget) // block_bytes, 0)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int | Exception, TokenLogprob | None]]:
@@ -176,3 +207,7 @@ class ModelRunner:
         sample_tokens = query_start[1:][sample_rows] - 1
         return BatchInputs(torch.tensor(input_ids).to(**to), positions.to(**to), meta, sample_rows,
                            sample_tokens.long().to(**to))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
