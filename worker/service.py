@@ -142,6 +142,8 @@ class WorkerService:
         if self.drain_deadline is None:
             self.drain_deadline = time.monotonic() + self.s.drain_grace_s
             log.info("draining: %d requests in flight", len(self.active))
+        if not self.active:  # nothing to finish: stop now, even while Redis is away
+            self.stopping.set()
 
     def _iteration(self) -> None:
         self.outbox.flush()
