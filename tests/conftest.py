@@ -69,10 +69,12 @@ class Stack:
 
 
 def start_stack(model_dir: Path, state: Path, engine: str, extra_env: dict | None = None,
-                args: list[str] | None = None) -> Stack:
+                args: list[str] | None = None, served_name: str | None = "demo") -> Stack:
+    """`kvgate up` on `model_dir`, served as `served_name` (None: the folder's own name)."""
     env = {**os.environ, **(extra_env or {})}
+    named = ["--served-name", served_name] if served_name else []
     cmd = [sys.executable, "-m", "kvgate", "up", "--model", str(model_dir), "--port", "0",
-           "--state-dir", str(state), "--engine", engine, "--served-name", "demo", *(args or [])]
+           "--state-dir", str(state), "--engine", engine, *named, *(args or [])]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     deadline = time.monotonic() + 240
