@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.engine.shortlist import shortlist
+from worker.engine.shortlist import shortlist, take_rows
 from worker.engine.types import SamplingParams, TokenLogprob
 
 
@@ -49,11 +49,14 @@ class Sampler:
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
         logits = self._mask_early_stops(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [r for r, row in enumerate(rows) if row.params.greedy]
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
+        if greedy:
+            tokens[torch.tensor(greedy, device=logits.device)] = take_rows(logits, greedy).argmax(dim=-1)
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
-            tokens[idx] = self._sample(logits[idx], [rows[r] for r in sampled])
+            tokens[idx] = self._sample(take_rows(logits, sampled), [rows[r] for r in sampled])
         token_ids = tokens.tolist()
         return token_ids, _logprobs(raw_logprobs, token_ids, rows)
 
@@ -112,12 +115,12 @@ class Sampler:
         whole = [r for r, row in enumerate(rows) if not _filters_by_rank(row.params, vocab)]
         if ranked:
             idx, params = torch.tensor(ranked, device=logits.device), [rows[r].params for r in ranked]
-            vals, ids = shortlist(logits[idx], [p.top_k for p in params], [p.top_p for p in params],
-                                  [p.min_p for p in params])
+            vals, ids = shortlist(take_rows(logits, ranked), [p.top_k for p in params],
+                                  [p.top_p for p in params], [p.min_p for p in params])
             tokens[idx] = self._draw(vals, ids, [rows[r] for r in ranked], vocab)
         if whole:
             idx = torch.tensor(whole, device=logits.device)
-            floored = min_p_floor(logits[idx], [rows[r].params.min_p for r in whole])
+            floored = min_p_floor(take_rows(logits, whole), [rows[r].params.min_p for r in whole])
             tokens[idx] = self._draw(floored, None, [rows[r] for r in whole], vocab)
         return tokens
 

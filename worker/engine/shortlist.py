@@ -37,10 +37,11 @@ def shortlist(
     while pending:
         idx = torch.tensor(pending, device=logits.device)
         width = min(vocab, max(widths[r] for r in pending))
-        vals, ids = logits[idx].topk(width, dim=-1)
+        rows = take_rows(logits, pending)
+        vals, ids = rows.topk(width, dim=-1)
         keep = _keep(vals, [ks[r] for r in pending], [ps[r] for r in pending],
                      [min_ps[r] for r in pending], mass[idx], vocab)
-        _lowest_ids_at_ties(logits[idx], vals, ids, keep)
+        _lowest_ids_at_ties(rows, vals, ids, keep)
         # the last entry out means every later one is out too; at full width there is nothing later
         done = [d or width == vocab for d in (~keep[:, -1]).tolist()]
         sel = torch.tensor(done, device=logits.device)
@@ -51,13 +52,20 @@ def shortlist(
     return _assemble(found, len(ks), logits)
 
 
+def take_rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """t[rows], without a copy when that is every row (advanced indexing of [B, 151936] is slow)."""
+    if rows == list(range(t.shape[0])):
+        return t
+    return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
 def _row_mass(logits: torch.Tensor, ks: list[int], vocab: int) -> torch.Tensor:
     """Each row's sum of exp(logit - max) over the whole vocabulary: the yardstick for top-p on a
     partial shortlist (1 for top-k rows, whose shortlist holds everything the cut can keep)."""
     mass = torch.ones(len(ks), dtype=torch.float64, device=logits.device)
     open_rows = [r for r, k in enumerate(ks) if k == vocab]
     if open_rows:
-        x = logits[torch.tensor(open_rows, device=logits.device)]
+        x = take_rows(logits, open_rows)
         mass[open_rows] = torch.exp(x - x.amax(dim=-1, keepdim=True)).sum(dim=-1, dtype=torch.float64)
     return mass
 
