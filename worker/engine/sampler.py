@@ -218,7 +218,10 @@ def _invert_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     total = cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: has mass
-    return torch.searchsorted(cdf, u, right=True).squeeze(1)
+    picks = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    if bool((picks >= probs.shape[1]).any()):  # NaN mass: no column to name (sample() isolates the row)
+        raise ValueError("a row's probabilities are not finite: its logits hold NaN or no finite value")
+    return picks
 
 
 def _logprobs(

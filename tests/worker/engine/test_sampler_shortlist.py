@@ -213,3 +213,14 @@ def test_unseeded_draws_follow_the_filtered_distribution(params, expected):
     counts = torch.bincount(torch.tensor(Sampler([EOS])(logits, rows)[0]), minlength=4)
     for count, p in zip(counts.tolist(), expected):
         assert abs(count / n - p) <= 6 * math.sqrt(p * (1 - p) / n) + 1e-9  # 6 sigma: no flakes
+
+
+@pytest.mark.parametrize("params", [dict(), dict(top_p=0.9), dict(top_k=3)])
+def test_a_row_of_nan_logits_fails_alone(params):
+    """No valid token can come from NaN logits: that row gets an error, its batch-mates their tokens."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    logits[1] = math.nan
+    rows = [SampleRow(SamplingParams(**params), [0], []) for _ in range(3)]
+    tokens, _ = Sampler([EOS]).sample(logits, rows)
+    assert isinstance(tokens[1], Exception)
+    assert all(isinstance(t, int) and 0 <= t < 50 for t in (tokens[0], tokens[2]))
