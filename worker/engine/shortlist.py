@@ -73,7 +73,7 @@ def _row_mass(logits: torch.Tensor, ks: list[int], vocab: int) -> torch.Tensor:
 def _keep(vals: torch.Tensor, ks: list[int], ps: list[float], min_ps: list[float],
           mass: torch.Tensor, vocab: int) -> torch.Tensor:
     """Which shortlist entries survive top-k, then top-p over what is left, then min-p: the former
-    full-sort arithmetic on the sorted prefix (bit for bit for top-k rows); the best always survives."""
+    full sort's arithmetic on its sorted prefix; the best entry always survives."""
     device = vals.device
     positions = torch.arange(vals.shape[1], device=device).unsqueeze(0)
     k = torch.tensor(ks, device=device).unsqueeze(1)
