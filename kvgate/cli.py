@@ -158,6 +158,7 @@ def bench_sampler(reps: int, forward: bool, out: str) -> None:
 
     run(reps, forward, out)
 
+
 from kvgate.admin_cli import keys, usage  # noqa: E402  (commands that talk to the admin API)
 
 main.add_command(keys)
