@@ -154,6 +154,18 @@ from kvgate.bench_serve import serve_command  # noqa: E402  (client-side serving
 
 bench.add_command(serve_command, "serve")
 
+
+@bench.command("sampler")
+@click.option("--reps", default=5, show_default=True, help="Timed calls per figure (median)")
+@click.option("--forward", is_flag=True, help="Also time a Qwen3-0.6B decode step's GEMMs (2.4 GB)")
+@click.option("--out", default="bench-out/sampler.json", show_default=True)
+def bench_sampler(reps: int, forward: bool, out: str) -> None:
+    """The sampler alone on vocab 151,936: the former full sort vs the shortlist."""
+    from worker.engine.bench_sampler import run
+
+    run(reps, forward, out)
+
+
 from kvgate.admin_cli import keys, usage  # noqa: E402  (commands that talk to the admin API)
 
 main.add_command(keys)

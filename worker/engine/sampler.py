@@ -1,9 +1,11 @@
 """Turns one step's logits into one token per row, vectorised over the batch.
 
 Order per row: penalties -> min_tokens mask -> greedy argmax, or temperature -> top-k -> top-p
--> min-p -> exponential race (Gumbel-max). Logprobs come from the raw logits, as vLLM's default.
-Seeded rows draw token i from a generator keyed by (seed, choice_index, i), so a request's tokens
-do not depend on its batch-mates, on preemption, or on which worker runs it.
+-> min-p -> a draw. Top-k and top-p work on a shortlist of the row's best tokens (shortlist.py), never
+a sort of the whole vocabulary. Logprobs come from the raw logits, as vLLM's default.
+Seeded rows draw token i by an exponential race with noise from a generator keyed by
+(seed, choice_index, i), so a request's tokens do not depend on its batch-mates, on preemption, or on
+which worker runs it; unseeded rows need only the right distribution and take the cheaper draw.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.shortlist import shortlist, take_rows
 from worker.engine.types import SamplingParams, TokenLogprob
 
 
@@ -46,11 +49,14 @@ class Sampler:
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
         logits = self._mask_early_stops(logits, rows)
-        tokens = logits.argmax(dim=-1)
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        greedy = [r for r, row in enumerate(rows) if row.params.greedy]
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
+        if greedy:
+            tokens[torch.tensor(greedy, device=logits.device)] = take_rows(logits, greedy).argmax(dim=-1)
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
-            tokens[idx] = self._sample(logits[idx], [rows[r] for r in sampled])
+            tokens[idx] = self._sample(take_rows(logits, sampled), [rows[r] for r in sampled])
         token_ids = tokens.tolist()
         return token_ids, _logprobs(raw_logprobs, token_ids, rows)
 
@@ -99,21 +105,59 @@ class Sampler:
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Rows that filter by rank (top-k, top-p) draw from their shortlist; the others from the
+        whole vocabulary, min-p being a floor that needs no sort."""
         temps = torch.tensor([row.params.temperature for row in rows], device=logits.device)
-        logits = filter_logits(logits / temps.unsqueeze(1), rows)
-        probs = torch.softmax(logits, dim=-1)
-        return (probs / self._exponentials(probs, rows)).argmax(dim=-1)
+        logits = logits / temps.unsqueeze(1)
+        vocab = logits.shape[1]
+        tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+        ranked = [r for r, row in enumerate(rows) if _filters_by_rank(row.params, vocab)]
+        whole = [r for r, row in enumerate(rows) if not _filters_by_rank(row.params, vocab)]
+        if ranked:
+            idx, params = torch.tensor(ranked, device=logits.device), [rows[r].params for r in ranked]
+            vals, ids = shortlist(take_rows(logits, ranked), [p.top_k for p in params],
+                                  [p.top_p for p in params], [p.min_p for p in params])
+            tokens[idx] = self._draw(vals, ids, [rows[r] for r in ranked], vocab)
+        if whole:
+            idx = torch.tensor(whole, device=logits.device)
+            floored = min_p_floor(take_rows(logits, whole), [rows[r].params.min_p for r in whole])
+            tokens[idx] = self._draw(floored, None, [rows[r] for r in whole], vocab)
+        return tokens
 
-    def _exponentials(self, probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Exp(1) noise per row: argmax(p / q) is then a draw from p (the exponential race)."""
-        q = torch.empty_like(probs).exponential_(generator=self._shared_generator(probs.device))
-        vocab = probs.shape[1]
-        for r, row in enumerate(rows):
-            if row.params.seed is not None:
-                key = draw_key(row.params.seed, row.choice_index, row.step)
-                g = torch.Generator().manual_seed(key)
-                q[r] = torch.empty(vocab).exponential_(generator=g).to(probs.device)
-        return q.clamp_min_(1e-20)
+    def _draw(self, logits: torch.Tensor, ids: torch.Tensor | None, rows: list[SampleRow],
+              vocab: int) -> torch.Tensor:
+        """One token per row from softmax(logits); `ids` names each column's token (None: the
+        columns are the vocabulary). Seeded rows run the exponential race, unseeded ones invert the
+        cumulative mass with the shared generator (one random number per row, not per token)."""
+        probs = torch.softmax(logits, dim=-1)
+        picks = torch.empty(len(rows), dtype=torch.long, device=probs.device)
+        seeded = [j for j, row in enumerate(rows) if row.params.seed is not None]
+        shared = [j for j, row in enumerate(rows) if row.params.seed is None]
+        if seeded:
+            idx = torch.tensor(seeded, device=probs.device)
+            q = self._seeded_noise([rows[j] for j in seeded], None if ids is None else ids[idx], vocab)
+            picks[idx] = (probs[idx] / q.to(probs.device)).argmax(dim=-1)
+        if shared:
+            idx = torch.tensor(shared, device=probs.device)
+            picks[idx] = _invert_cdf(probs[idx], self._shared_generator(probs.device))
+        return picks if ids is None else ids.gather(1, picks.unsqueeze(1)).squeeze(1)
+
+    @staticmethod
+    def _seeded_noise(rows: list[SampleRow], ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+        """Exp(1) noise per row: argmax(p / q) is then a draw from p (the exponential race).
+
+        Same tokens as the former full-sort sampler for the same seed: q is still drawn over the whole
+        vocabulary, in the same order, from the (seed, choice, step) generator, then read at the
+        shortlisted ids; the tokens left out had p = 0 in the former race, so its argmax is among
+        them. A token differs only where the survivors do (ties at a cut, a top-p cut within float
+        rounding: see shortlist.py) and a token at that edge wins the race."""
+        cols = None if ids is None else ids.cpu()
+        qs = []
+        for j, row in enumerate(rows):
+            g = torch.Generator().manual_seed(draw_key(row.params.seed, row.choice_index, row.step))
+            q = torch.empty(vocab).exponential_(generator=g)
+            qs.append(q if cols is None else q[cols[j]])
+        return torch.stack(qs).clamp_min_(1e-20)
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if device not in self._shared:
@@ -153,34 +197,31 @@ def _token_counts(id_lists: list[list[int]], logits: torch.Tensor) -> torch.Tens
     return counts
 
 
-def filter_logits(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Top-k, then top-p over what is left, then min-p; excluded tokens become -inf."""
-    vocab = logits.shape[1]
-    ks = [row.params.top_k if 0 < row.params.top_k < vocab else vocab for row in rows]
-    ps = [row.params.top_p for row in rows]
-    if any(k < vocab for k in ks) or any(p < 1.0 for p in ps):
-        logits = _top_k_top_p(logits, ks, ps)
-    min_ps = [row.params.min_p for row in rows]
-    if any(m > 0.0 for m in min_ps):
-        probs = torch.softmax(logits, dim=-1)
-        scale = torch.tensor(min_ps, device=logits.device).unsqueeze(1)
-        floor = scale * probs.amax(dim=-1, keepdim=True)
-        logits = logits.masked_fill(probs < floor, float("-inf"))
-    return logits
+def _filters_by_rank(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1.0
 
 
-def _top_k_top_p(logits: torch.Tensor, ks: list[int], ps: list[float]) -> torch.Tensor:
-    """One descending sort serves both filters; the best token always survives."""
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    k = torch.tensor(ks, device=device).unsqueeze(1)
-    positions = torch.arange(logits.shape[1], device=device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(positions >= k, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    p = torch.tensor(ps, device=device).unsqueeze(1)
-    sorted_logits = sorted_logits.masked_fill((mass_before > p) & (positions > 0), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+def min_p_floor(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """min-p over the whole vocabulary: tokens below min_p times the best one's probability become
+    -inf; a floor on the row's best, no sort."""
+    if not any(m > 0.0 for m in min_ps):
+        return logits
+    probs = torch.softmax(logits, dim=-1)
+    floor = torch.tensor(min_ps, device=logits.device).unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def _invert_cdf(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A column per row drawn from probs: one uniform against the running mass (float64, so the
+    smallest probabilities keep their share)."""
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))  # u < total: has mass
+    picks = torch.searchsorted(cdf, u, right=True).squeeze(1)
+    if bool((picks >= probs.shape[1]).any()):  # NaN mass: no column to name (sample() isolates the row)
+        raise ValueError("a row's probabilities are not finite: its logits hold NaN or no finite value")
+    return picks
 
 
 def _logprobs(
