@@ -158,12 +158,15 @@ bench.add_command(serve_command, "serve")
 @bench.command("sampler")
 @click.option("--reps", default=5, show_default=True, help="Timed calls per figure (median)")
 @click.option("--forward", is_flag=True, help="Also time a Qwen3-0.6B decode step's GEMMs (2.4 GB)")
+@click.option("--model", "model_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Also run the engine on this folder: 32 requests of 128 prompt and 64 output "
+              "tokens, sampled (top_k 50, top_p 0.9) vs greedy output tokens/s")
 @click.option("--out", default="bench-out/sampler.json", show_default=True)
-def bench_sampler(reps: int, forward: bool, out: str) -> None:
+def bench_sampler(reps: int, forward: bool, model_dir: str | None, out: str) -> None:
     """The sampler alone on vocab 151,936: the former full sort vs the shortlist."""
     from worker.engine.bench_sampler import run
 
-    run(reps, forward, out)
+    run(reps, forward, out, model_dir)
 
 
 from kvgate.admin_cli import keys, usage  # noqa: E402  (commands that talk to the admin API)

@@ -145,11 +145,54 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run(reps: int = 5, forward: bool = False, out_json: str | None = None) -> dict:
+ENGINE_RUNS = {  # name -> (SamplingParams fields, the sampler class the engine runs with)
+    "greedy": (dict(temperature=0.0), Sampler),
+    "top_k50_top_p0.9": (dict(temperature=1.0, top_k=50, top_p=0.9), Sampler),
+    "top_k50_top_p0.9_full_sort": (dict(temperature=1.0, top_k=50, top_p=0.9), FullSortSampler),
+}
+
+
+def engine_figures(model_dir: str, reps: int, concurrency: int = 32, prompt_len: int = 128,
+                   output_len: int = 64) -> dict:
+    """The issue's end-to-end figure on a real folder: `concurrency` requests of `prompt_len`
+    random prompt tokens and `output_len` output tokens, all at once through the engine; output
+    tokens/s of the whole run (prefill included) for greedy, for top-k/top-p with the shortlist
+    sampler and with the former full sort, the runs taking turns."""
+    from worker.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_model_dir(model_dir, max_num_seqs=concurrency, max_num_batched_tokens=2048,
+                                      max_model_len=prompt_len + output_len, enable_prefix_caching=False)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1000, min(100_000, engine.vocab_size), (prompt_len,), generator=gen).tolist()
+               for _ in range(concurrency)]
+    samplers = {cls: cls(engine.eos_token_ids) for _, cls in ENGINE_RUNS.values()}
+    rates: dict[str, list[float]] = {name: [] for name in ENGINE_RUNS}
+    for rep in range(reps):
+        for name, (fields, cls) in ENGINE_RUNS.items():
+            engine.runner.sampler = samplers[cls]
+            params = SamplingParams(max_tokens=output_len, ignore_eos=True, **fields)
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"{name}-{rep}-{i}", prompt, params)
+            start, produced = time.perf_counter(), 0
+            while engine.has_unfinished():
+                produced += sum(len(out.new_token_ids) for out in engine.step())
+            rates[name].append(produced / (time.perf_counter() - start))
+    greedy = statistics.median(rates["greedy"])
+    return {"model": Path(model_dir).name, "concurrency": concurrency, "prompt_len": prompt_len,
+            "output_len": output_len, "dtype": str(engine.runner.dtype).removeprefix("torch."),
+            **{f"{name}.tokens_per_s": round(statistics.median(r), 1) for name, r in rates.items()},
+            **{f"{name}.vs_greedy": round(statistics.median(r) / greedy, 3)
+               for name, r in rates.items() if name != "greedy"}}
+
+
+def run(reps: int = 5, forward: bool = False, out_json: str | None = None,
+        model_dir: str | None = None) -> dict:
     result = {"cpu": cpu_name(), "threads": torch.get_num_threads(), "vocab": VOCAB,
               "load_avg_start": os.getloadavg()[0], "sampler": sampler_figures(reps)}
     if forward:
         result["sampled_vs_greedy"] = step_estimates(reps)
+    if model_dir:
+        result["engine"] = engine_figures(model_dir, max(1, min(reps, 3)))
     result["load_avg_end"] = os.getloadavg()[0]  # 1-minute; other jobs on the machine skew figures
     print_table(result)
     if out_json:
@@ -164,6 +207,8 @@ def print_table(result: dict) -> None:
     print(f"{'figure':<34}{'old ms':>10}{'new ms':>10}{'old/new':>9}")
     for name, f in result["sampler"].items():
         print(f"{name:<34}{f['old_ms']:>10.2f}{f['new_ms']:>10.2f}{f['speedup']:>9.2f}")
+    if "engine" in result:
+        print("engine, " + ", ".join(f"{k} {v}" for k, v in result["engine"].items()))
     for name, e in result.get("sampled_vs_greedy", {}).items():
         print(f"{name}: decode GEMMs {e['forward_ms']} ms, greedy {e['greedy_ms']} ms, top_k50_top_p0.9 "
               f"old {e['old_ms']} / new {e['new_ms']} ms: sampled/greedy old {e['old']}, new {e['new']}")
