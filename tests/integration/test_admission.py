@@ -137,7 +137,7 @@ def test_models_report_the_context_of_the_version_the_key_is_routed_to(stack, ti
     """Last here: it adds a canary version (512-token context) that one cohort is pinned to."""
     log = open(stack.state / "worker-v2.log", "ab")
     v2 = subprocess.Popen([sys.executable, "-m", "kvgate", "worker", "--model", str(tiny_model_dir),
-                           "--version", "v2", "--max-model-len", "512", "--redis-url",
+                           "--served-name", "demo", "--version", "v2", "--max-model-len", "512", "--redis-url",
                            stack.redis_url], stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
     try:

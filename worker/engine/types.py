@@ -5,6 +5,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -28,7 +31,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        """Below GREEDY_TEMPERATURE, logits / temperature overflow to inf (a 1e-238 temperature is a
+        valid request): such a row is greedy, as vLLM treats temperatures under its epsilon."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass

@@ -145,3 +145,12 @@ def test_sampler_does_not_modify_the_callers_logits():
 def test_top_k_off_values(top_k):
     logits = torch.zeros(1, V)
     assert len(draw_many(Sampler([EOS]), logits, n=300, top_k=top_k)) > V // 2
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    """1e-238 is a valid temperature (OpenAI allows 0..2), but logits / 1e-238 overflow to inf: the
+    schemathesis run found it failing the request; such a row is greedy instead."""
+    logits = torch.randn(3, 40)
+    rows = [row(temperature=t, top_p=0.9, top_k=5) for t in (1e-238, 1e-6, 0.0)]
+    tokens, _ = Sampler([EOS])(logits, rows)
+    assert tokens == logits.argmax(dim=-1).tolist()
