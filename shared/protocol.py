@@ -10,35 +10,39 @@ entries). What each version added is listed in ADDED, so writing down drops exac
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+import dataclasses
+from typing import Annotated, Any, Literal, Union, get_type_hints
 
 import orjson
-from pydantic import BaseModel, Field, TypeAdapter
+from pydantic import BaseModel, Field, TypeAdapter, create_model
+
+from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
 SCHEMA_VERSION = 2
 OLDEST_SCHEMA = 1  # the previous release's version: still decoded, and written to peers that need it
 ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encoded RequestEntry
 
 
-class WireParams(BaseModel):
-    """Sampling parameters as they travel; the worker turns them into engine SamplingParams."""
+def _wire_params() -> type[BaseModel]:
+    """SamplingParams as it travels, derived from the dataclass (no second list of fields): each
+    field with its type and default, but those carried on the entry; an OPTIONAL field (max_tokens)
+    travels as None when the client left it out."""
+    hints, specs = get_type_hints(SamplingParams), {}
+    for f in dataclasses.fields(SamplingParams):
+        if f.metadata.get(ON_ENTRY):
+            continue
+        if OPTIONAL in f.metadata:
+            specs[f.name] = (hints[f.name] | None, None)
+        elif f.default_factory is not dataclasses.MISSING:
+            specs[f.name] = (hints[f.name], Field(default_factory=f.default_factory))
+        else:
+            specs[f.name] = (hints[f.name], f.default)
+    return create_model("WireParams", __module__=__name__, __doc__="Sampling parameters as they travel; "
+                        "the worker turns them into engine SamplingParams.", **specs)
 
-    max_tokens: int | None = None  # None: as many as the context leaves
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    n: int = 1
+
+WireParams = _wire_params()
+ENTRY_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.metadata.get(ON_ENTRY))
 
 
 class RequestEntry(BaseModel):
@@ -59,6 +63,13 @@ class RequestEntry(BaseModel):
     key_id: str | None = None
     cache_salt: str | None = None
     trace: dict[str, str] = Field(default_factory=dict)
+
+    def sampling_params(self, **when_absent) -> SamplingParams:
+        """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
+        OPTIONAL one the client left out takes its value from `when_absent`."""
+        values = dict(self.params) | {name: getattr(self, name) for name in ENTRY_PARAMS}
+        values |= {name: value for name, value in when_absent.items() if values[name] is None}
+        return SamplingParams(**values)
 
 
 class Delta(BaseModel):

@@ -66,16 +66,7 @@ def _entries(reply) -> list[tuple[str, bytes, bytes, int]]:
 
 def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) -> SamplingParams:
     """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
-    p = entry.params
-    return SamplingParams(
-        max_tokens=p.max_tokens if p.max_tokens is not None else max(1, default_max_tokens),
-        temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-        min_p=p.min_p, seed=p.seed, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-        presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty, logprobs=p.logprobs, ignore_eos=p.ignore_eos,
-        min_tokens=p.min_tokens, include_stop_str_in_output=p.include_stop_str_in_output, n=p.n,
-        priority=entry.priority, cache_salt=entry.cache_salt,
-    )
+    return entry.sampling_params(max_tokens=max(1, default_max_tokens))
 
 
 class WorkerService:

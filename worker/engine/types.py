@@ -1,39 +1,11 @@
-"""The engine API's value types, shared by every engine (paged and the naive `hf` baseline)."""
+"""The engine API's value types, shared by every engine (paged and the naive `hf` baseline).
+SamplingParams is defined in shared/sampling.py: the gateway and the wire derive from it too."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
-
-GREEDY_TEMPERATURE = 1e-5
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus top-k
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    include_stop_str_in_output: bool = False
-    n: int = 1
-    priority: int = 0  # lower value = more important (served first, preempted last)
-    cache_salt: str | None = None  # isolates prefix-cache entries per tenant
-
-    @property
-    def greedy(self) -> bool:
-        """Below GREEDY_TEMPERATURE, logits / temperature overflow to inf (a 1e-238 temperature is a
-        valid request): such a row is greedy, as vLLM treats temperatures under its epsilon."""
-        return self.temperature < GREEDY_TEMPERATURE
+from shared.sampling import SamplingParams  # noqa: F401  (part of the engine API)
 
 
 @dataclass

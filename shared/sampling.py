@@ -1,0 +1,46 @@
+"""The sampling parameters of one request, defined once: the engine reads this dataclass, the wire
+model (`protocol.WireParams`) is derived from its fields, and the gateway's request models fill it
+by field name (`gateway/schemas.py`). A plain dataclass, because the engine's GPU image has no
+pydantic (tests/ops/test_gpu_image_imports.py); only the engine's checks and the gateway's bounds
+say which values are valid.
+
+Two marks in a field's metadata say how it travels (the wire keeps the shape schema 1 had):
+OPTIONAL: absent on the wire means what `why` says, resolved by the worker; ON_ENTRY: carried on the
+request entry beside `params`, not in it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GREEDY_TEMPERATURE = 1e-5
+OPTIONAL, ON_ENTRY = "optional", "on_entry"
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = field(default=16, metadata={OPTIONAL: "as many as the context leaves"})
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus top-k
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    n: int = 1
+    # lower value = more important (served first, preempted last)
+    priority: int = field(default=0, metadata={ON_ENTRY: True})
+    # isolates prefix-cache entries per tenant (set from the API key, not the request)
+    cache_salt: str | None = field(default=None, metadata={ON_ENTRY: True})
+
+    @property
+    def greedy(self) -> bool:
+        """Below GREEDY_TEMPERATURE, logits / temperature overflow to inf (a 1e-238 temperature is a
+        valid request): such a row is greedy, as vLLM treats temperatures under its epsilon."""
+        return self.temperature < GREEDY_TEMPERATURE
