@@ -46,17 +46,16 @@ async def get_model(model_id: str, request: Request, lease: Lease = Depends(admi
 async def chat_completions(body: ChatCompletionRequest, request: Request,
                            lease: Lease = Depends(admit)):
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return await _serve(request, lease, body, "chat", dict(messages=messages), logprobs)
+    return await _serve(request, lease, body, "chat", dict(messages=messages))
 
 
 @router.post("/completions", dependencies=[Depends(version_header)])
 async def completions(body: CompletionRequest, request: Request, lease: Lease = Depends(admit)):
     prompt = dict(prompt_token_ids=body.prompt) if isinstance(body.prompt, list) else dict(prompt=body.prompt)
-    return await _serve(request, lease, body, "completion", prompt, body.logprobs)
+    return await _serve(request, lease, body, "completion", prompt)
 
 
-async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, logprobs: int | None):
+async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict):
     state = request.app.state
     check_model_allowed(lease.key, body.model)
     lease.key.check_priority(body.priority)
@@ -67,7 +66,7 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
     check_token_ids(facts.vocab_size, prompt, body.stop_token_ids)
     check_context(facts.max_model_len, body.limit(), prompt)
     await _reserve_tokens(request, lease, body, prompt, facts.max_model_len)
-    entry = _entry(request, lease, body, kind, version, prompt, logprobs)
+    entry = _entry(request, lease, body, kind, version, prompt)
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
                                            interactive=lease.lane == names.DEFAULT_LANE,
@@ -140,21 +139,14 @@ async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict,
     set_ratelimit_headers(request, headers)
 
 
-def _entry(request: Request, lease: Lease, body, kind: str, version: str, prompt: dict,
-           logprobs: int | None) -> protocol.RequestEntry:
+def _entry(request: Request, lease: Lease, body, kind: str, version: str,
+           prompt: dict) -> protocol.RequestEntry:
     settings = request.app.state.settings
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     now = time.time()
-    params = protocol.WireParams(
-        max_tokens=body.limit(), temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-        min_p=body.min_p, seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
-        presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
-        repetition_penalty=body.repetition_penalty, logprobs=logprobs, ignore_eos=body.ignore_eos,
-        min_tokens=body.min_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
-        n=body.n)
     return protocol.RequestEntry(
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=request.app.state.dispatcher.channel,
-        model=body.model, version=version, kind=kind, params=params, created=now,
+        model=body.model, version=version, kind=kind, params=body.to_sampling_params(), created=now,
         deadline=now + settings.request_timeout_s, key_id=lease.key.id,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.cache_salt(), trace=telemetry.inject(),

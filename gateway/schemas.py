@@ -1,5 +1,7 @@
 """Request bodies of the OpenAI-compatible routes, with the ranges OpenAI documents and the bounds
-of gateway/bounds.py on everything else."""
+of gateway/bounds.py on everything else. Each turns into the engine's parameters with one call,
+`to_sampling_params()`: the fields named as in shared/sampling.py are taken by name, so a sampling
+field is declared here only for its bounds (and once more only where OpenAI spells it differently)."""
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
@@ -7,6 +9,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 
 from gateway import bounds as b
+from shared import protocol
 
 TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=b.STOP_CHARS)]
@@ -55,6 +58,16 @@ class _Sampling(BaseModel):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def to_sampling_params(self) -> protocol.WireParams:
+        """The engine's parameters as they travel: every declared field the wire shares, by name
+        (an unknown field a client sent never travels), then those OpenAI spells differently."""
+        wire = protocol.WireParams.model_fields
+        same = {name: getattr(self, name) for name in type(self).model_fields if name in wire}
+        return protocol.WireParams(**{**same, **self._respelled()})
+
+    def _respelled(self) -> dict:
+        return {"max_tokens": self.limit()}
+
 
 class TextPart(BaseModel):
     """The one content part a text model reads; an image or audio part is refused (422), not
@@ -85,6 +98,10 @@ class ChatCompletionRequest(_Sampling):
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def _respelled(self) -> dict:
+        """Chat asks for logprobs with a flag and a count; the engine takes the count, None: off."""
+        return {**super()._respelled(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
 class CompletionRequest(_Sampling):
