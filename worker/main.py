@@ -3,35 +3,42 @@ from __future__ import annotations
 
 import logging
 import signal
+from dataclasses import fields
 
 from shared import logs, telemetry
 from shared.settings import WorkerSettings
+from worker.engine.config import EngineConfig
 from worker.engine.kv_budget import KVCacheTooSmall
 
 log = logging.getLogger("kvgate.worker")
 
 
+# The EngineConfig knobs the other engines take (their from_model_dir's parameters of the same
+# names); the paged engine takes them all. Synthetic has no batch cap, by design (load tests).
+HONOURED = {"hf": ("device", "dtype", "max_model_len"), "synthetic": ("max_model_len",)}
+
+
+def engine_config(s: WorkerSettings) -> EngineConfig:
+    """The engine's knobs from the worker's settings by field name, as nano-vllm fills its Config
+    with `fields()`: a knob added to both is passed on with no edit here."""
+    knobs = {f.name: getattr(s, f.name) for f in fields(EngineConfig) if f.name in WorkerSettings.model_fields}
+    return EngineConfig(**{**knobs, "model_dir": s.model, "device": _device(s.device)})
+
+
 def build_engine(s: WorkerSettings):
     """The paged engine by default; `hf` is the naive one-at-a-time baseline kept for benchmarks."""
-    if s.engine == "hf":
-        from worker.engine.hf_engine import HFEngine
-
-        return HFEngine.from_model_dir(s.model, device=_device(s.device), dtype=s.dtype,
-                                       max_model_len=s.max_model_len)
+    config = engine_config(s)
     if s.engine == "paged":
         from worker.engine.engine import LLMEngine
 
-        return LLMEngine.from_model_dir(
-            s.model, device=_device(s.device), dtype=s.dtype, block_size=s.block_size,
-            kv_cache_memory=s.kv_cache_memory, gpu_memory_utilization=s.gpu_memory_utilization,
-            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            max_model_len=s.max_model_len, enable_prefix_caching=s.enable_prefix_caching,
-            attention_backend=s.attention_backend, enforce_eager=s.enforce_eager)
-    if s.engine == "synthetic":  # no model: fixed tokens, for gateway-path load tests only
-        from worker.engine.synthetic import SyntheticEngine
-
-        return SyntheticEngine.from_model_dir(s.model, max_model_len=s.max_model_len)
-    raise ValueError(f"unknown engine {s.engine!r}: choose 'paged', 'hf' or 'synthetic'")
+        return LLMEngine(config)
+    if s.engine == "hf":
+        from worker.engine.hf_engine import HFEngine as engine
+    elif s.engine == "synthetic":  # no model: fixed tokens, for gateway-path load tests only
+        from worker.engine.synthetic import SyntheticEngine as engine
+    else:
+        raise ValueError(f"unknown engine {s.engine!r}: choose 'paged', 'hf' or 'synthetic'")
+    return engine.from_model_dir(config.model_dir, **{k: getattr(config, k) for k in HONOURED[s.engine]})
 
 
 def _device(name: str) -> str:

@@ -1,9 +1,14 @@
-"""Everything the paged engine is sized by, in one dataclass (the worker fills it from its settings)."""
+"""Everything the paged engine is sized by, in one dataclass. The worker fills it from its settings by
+field name (worker/main.py); each knob but NOT_SETTINGS is a WorkerSettings field and a `kvgate
+worker` option of the same name, with the same default (tests/worker/test_engine_knobs.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+# set by code or tests, not by an operator (model_dir is the setting `model`)
+NOT_SETTINGS = frozenset({"model_dir", "num_blocks", "max_cuda_graph_batch", "pad_decode_eagerly"})
 
 
 @dataclass
