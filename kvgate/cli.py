@@ -47,7 +47,11 @@ def demo_model(directory: str) -> None:
 @click.option("--kv-cache-memory", type=int, default=None,
               help="KV cache bytes on CPU [default: measured, half the memory left after the weights]")
 @click.option("--gpu-memory-utilization", type=float, default=None)
-@click.option("--no-prefix-caching", is_flag=True, default=False)
+@click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
+              help="Reuse KV blocks of shared prefixes [default: on]")
+@click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]), default=None,
+              help="auto: triton on CUDA, torch on CPU [default: auto]")
+@click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
@@ -55,14 +59,13 @@ def demo_model(directory: str) -> None:
 @click.option("--metrics-port", type=int, default=None,
               help="Port of the worker's /metrics [default: KVGATE_METRICS_PORT, else 0 = any free]")
 @click.option("--metrics-host", default=None, help="Bind address of /metrics [default: 127.0.0.1]")
-def worker(model, served_name, version_, engine, redis_url, no_prefix_caching, **engine_opts) -> None:
+def worker(model, served_name, version_, engine, redis_url, **engine_opts) -> None:
     """Serve MODEL from the stream of (served name, version)."""
     from shared.settings import WorkerSettings
     from worker.main import run_worker
 
+    # options are named as the settings (tests/worker/test_engine_knobs.py): given ones override
     overrides = {k: v for k, v in engine_opts.items() if v is not None}
-    if no_prefix_caching:
-        overrides["enable_prefix_caching"] = False
     if served_name:
         overrides["served_name"] = served_name
     settings = WorkerSettings(model=model, version=version_, engine=engine, redis_url=redis_url,
