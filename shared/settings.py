@@ -83,6 +83,9 @@ class GatewaySettings(FilesSettings):
 
 
 class WorkerSettings(CommonSettings):
+    """The engine knobs among these carry EngineConfig's names and defaults: the worker fills it
+    from them by name, and `kvgate worker` has an option of each name (tests/worker/test_engine_knobs.py)."""
+
     model: str = Field("", description="Local Hugging Face model folder")
     served_name: str = Field("", description="Model name clients ask for (default: the model "
                              "folder's name)")
