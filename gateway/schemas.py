@@ -66,6 +66,7 @@ class _Sampling(BaseModel):
         return protocol.WireParams(**{**same, **self._respelled()})
 
     def _respelled(self) -> dict:
+        """Engine fields OpenAI spells differently (a route adds its own)."""
         return {"max_tokens": self.limit()}
 
 
