@@ -84,20 +84,14 @@ async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict, 
         return await _stream(request, handle, replies, shape, lease, usage, headers)
     try:
         result = await _unless_gone(request, _collect(replies, shape))
-    except KvgateError as exc:
-        raise _naming(exc, headers)
+    except KvgateError as exc:  # an error the version answered with still names it (and the id)
+        raise exc.with_headers(headers)
     finally:
         handle.close("client_gone")
     if result is None:  # the client left: nobody to answer (the close above cancelled the request)
         return Response(status_code=499)
     lease.usage = result["usage"]
     return JSONResponse(result, headers=headers)
-
-
-def _naming(exc: KvgateError, headers: dict) -> KvgateError:
-    """An error the version answered with still names the version (and the request id)."""
-    exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
-    return exc
 
 
 async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shape: _Shape,
@@ -109,7 +103,7 @@ async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shap
     try:
         here = await ahead.wait_first(request.app.state.settings.admission_wait_s, gone)
     except KvgateError as exc:
-        raise _naming(exc, headers)
+        raise exc.with_headers(headers)
     finally:
         gone.cancel()
         if not here:  # refused, or the client left: the close cancels what may still run

@@ -35,7 +35,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from shared import names
-from shared.batches import Batch, BatchStore, line_token
+from shared.batches import Acquired, Batch, BatchStore, line_token
 from shared.files import BLANK, FileStore, NewFile
 from shared.settings import ServicesSettings
 
@@ -224,8 +224,9 @@ class Runner:
     async def run(self) -> str:
         """What happened, in a few words (the Celery task's result, and its log line)."""
         held = await self.store.acquire(self.id, LEASE_S, self.s.batch_max_running)
-        if held != 1:
-            return "another runner has it" if held == 0 else "waiting: enough batches running"
+        if held is not Acquired.OURS:
+            return ("another runner has it" if held is Acquired.HELD_ELSEWHERE
+                    else "waiting: enough batches running")
         try:
             batch = await self.store.runnable(self.id)
             return "nothing to do" if batch is None else await self._run(batch)
