@@ -210,7 +210,7 @@ class Runner:
     def __init__(self, settings: ServicesSettings, redis: aioredis.Redis, batch_id: str):
         self.s = settings
         self.id = batch_id
-        retention_s = settings.file_retention_days * 86400
+        retention_s = settings.file_retention_s
         self.redis = redis
         self.store = BatchStore(redis, retention_s)
         self.files = FileStore(redis, settings.data_dir, retention_s)
