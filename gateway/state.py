@@ -14,6 +14,7 @@ from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
 from gateway.registry import Registry
+from gateway.rescue import Rescuer
 from gateway.routing import Router
 from gateway.throttle import Throttle
 from shared.batches import BatchStore
@@ -29,6 +30,7 @@ class GatewayState:
     redis: aioredis.Redis
     registry: Registry
     router: Router
+    rescuer: Rescuer
     keystore: KeyStore
     limits: Limits
     usage: UsageBook
@@ -42,9 +44,10 @@ class GatewayState:
         """Everything on one Redis client; nothing runs until `start`."""
         client = _redis(settings)
         registry = Registry(client)
+        router = Router(client, registry, settings.worker_stale_s)
         return cls(
-            settings=settings, throttle=throttle, redis=client, registry=registry,
-            router=Router(client, registry, settings.worker_stale_s, settings.max_stream_depth),
+            settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
+            rescuer=Rescuer(client, router, settings.max_stream_depth),
             keystore=KeyStore(client, settings.secret.get_secret_value()),
             limits=Limits(client, settings),
             usage=UsageBook(client, settings.usage_retention_days),
@@ -56,10 +59,10 @@ class GatewayState:
 
     async def start(self) -> None:
         await self.dispatcher.start()  # subscribed before any request can be dispatched
-        await self.router.start()
+        await self.rescuer.start()
 
     async def stop(self) -> None:
-        await self.router.stop()
+        await self.rescuer.stop()
         await self.dispatcher.stop()
         await self.redis.aclose()
 
