@@ -17,7 +17,8 @@ from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
 from worker.engine.types import TokenLogprob
-from worker.models.loader import ModelConfig, load_model
+from worker.models.config import ModelConfig
+from worker.models.loader import load_model
 
 log = logging.getLogger("kvgate.worker")
 
