@@ -80,7 +80,7 @@ class ModelRunner:
         if self.device.type != "cuda" and not config.pad_decode_eagerly:
             return None
         rows = min(config.max_cuda_graph_batch, config.max_num_seqs)
-        width = -(-self.max_model_len // self.block_size)
+        width = cdiv(self.max_model_len, self.block_size)
         buffers = {
             "input_ids": torch.zeros(rows, dtype=torch.int64, device=self.device),
             "positions": torch.zeros(rows, dtype=torch.int64, device=self.device),
