@@ -3,6 +3,7 @@ names what it needs, `store: KeyStoreDep`, and never reaches into `app.state`. N
 a parameter to the OpenAPI document: each reads only the request."""
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -24,38 +25,21 @@ def gateway_state(request: Request) -> GatewayState:
 StateDep = Annotated[GatewayState, Depends(gateway_state)]
 
 
-def _settings(state: StateDep) -> GatewaySettings:
-    return state.settings
+def _part(name: str):
+    """A dependency that hands over one part of the state, by its field name (checked here, at
+    import, so a misspelt one fails at start-up rather than on its first request)."""
+    if name not in {f.name for f in fields(GatewayState)}:
+        raise AttributeError(f"GatewayState has no field {name!r}")
+
+    def part(state: StateDep):
+        return getattr(state, name)
+    return Depends(part)
 
 
-def _router(state: StateDep) -> Router:
-    return state.router
-
-
-def _keystore(state: StateDep) -> KeyStore:
-    return state.keystore
-
-
-def _limits(state: StateDep) -> Limits:
-    return state.limits
-
-
-def _usage(state: StateDep) -> UsageBook:
-    return state.usage
-
-
-def _files(state: StateDep) -> FileStore:
-    return state.files
-
-
-def _batches(state: StateDep) -> BatchStore:
-    return state.batches
-
-
-SettingsDep = Annotated[GatewaySettings, Depends(_settings)]
-RouterDep = Annotated[Router, Depends(_router)]
-KeyStoreDep = Annotated[KeyStore, Depends(_keystore)]
-LimitsDep = Annotated[Limits, Depends(_limits)]
-UsageDep = Annotated[UsageBook, Depends(_usage)]
-FilesDep = Annotated[FileStore, Depends(_files)]
-BatchesDep = Annotated[BatchStore, Depends(_batches)]
+SettingsDep = Annotated[GatewaySettings, _part("settings")]
+RouterDep = Annotated[Router, _part("router")]
+KeyStoreDep = Annotated[KeyStore, _part("keystore")]
+LimitsDep = Annotated[Limits, _part("limits")]
+UsageDep = Annotated[UsageBook, _part("usage")]
+FilesDep = Annotated[FileStore, _part("files")]
+BatchesDep = Annotated[BatchStore, _part("batches")]
