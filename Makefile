@@ -31,7 +31,7 @@ bench-engine: $(STAMP)
 # regenerates docs/performance.md's serve section, docs/perf/*.png and docs/perf/bench.json.
 # LiteLLM goes into a venv of its own under bench-out/, never into the project's.
 bench: $(STAMP)
-	$(BIN)/python -m kvgate.bench_all $(BENCH_ARGS)
+	$(BIN)/python -m kvgate.bench.compare $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .kvgate

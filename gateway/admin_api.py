@@ -4,11 +4,12 @@ from __future__ import annotations
 import time
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query
 
 from gateway.admin_schemas import (ErrorBody, KeyCreate, KeyList, KeyRotate, KeySecret, KeyUpdate,
                                    UsageReport, UsageRow)
 from gateway.auth import require_admin
+from gateway.deps import KeyStoreDep, UsageDep
 from gateway.durations import parse_duration
 from gateway.keys import BOOTSTRAP_IDS, KeyRecord
 from shared.errors import InvalidRequest
@@ -23,35 +24,30 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=
                    responses=ERRORS)
 
 
-def _store(request: Request):
-    return request.app.state.keystore
-
-
 @router.post("/keys", status_code=201, response_model=KeySecret)
-async def create_key(body: KeyCreate, request: Request) -> KeySecret:
+async def create_key(body: KeyCreate, store: KeyStoreDep) -> KeySecret:
     """A new key; its secret is in this response and nowhere else, ever."""
     fields = body.model_dump(exclude={"expires_in"})
     expires = time.time() + body.expires_in if body.expires_in else None
-    record, secret = await _store(request).create(_store(request).new_record(expires=expires, **fields))
+    record, secret = await store.create(store.new_record(expires=expires, **fields))
     return KeySecret(key=record, secret=secret)
 
 
 @router.get("/keys", response_model=KeyList)
-async def list_keys(request: Request) -> KeyList:
-    return KeyList(data=await _store(request).list())
+async def list_keys(store: KeyStoreDep) -> KeyList:
+    return KeyList(data=await store.list())
 
 
 @router.get("/keys/{key}", response_model=KeyRecord)
-async def show_key(key: KeyRef, request: Request) -> KeyRecord:
+async def show_key(key: KeyRef, store: KeyStoreDep) -> KeyRecord:
     """`key` is a key's name or id."""
-    return await _store(request).get(key)
+    return await store.get(key)
 
 
 @router.patch("/keys/{key}", response_model=KeyRecord)
-async def update_key(key: KeyRef, body: KeyUpdate, request: Request) -> KeyRecord:
+async def update_key(key: KeyRef, body: KeyUpdate, store: KeyStoreDep) -> KeyRecord:
     """Only the fields sent change, applied to the record as it is when written: a PATCH that
     races a revoke leaves the key revoked."""
-    store = _store(request)
     changes = body.model_dump(exclude_unset=True)
     if "expires_in" in changes:
         seconds = changes.pop("expires_in")
@@ -63,22 +59,20 @@ async def update_key(key: KeyRef, body: KeyUpdate, request: Request) -> KeyRecor
 
 
 @router.post("/keys/{key}/revoke", response_model=KeyRecord)
-async def revoke_key(key: KeyRef, request: Request) -> KeyRecord:
+async def revoke_key(key: KeyRef, store: KeyStoreDep) -> KeyRecord:
     """Refused by every gateway from the next request on; the record stays, marked revoked."""
-    store = _store(request)
     return await store.revoke(await store.resolve(key))
 
 
 @router.post("/keys/{key}/rotate", response_model=KeySecret)
-async def rotate_key(key: KeyRef, request: Request, body: KeyRotate | None = None) -> KeySecret:
+async def rotate_key(key: KeyRef, store: KeyStoreDep, body: KeyRotate | None = None) -> KeySecret:
     """A new secret; the old one keeps working for `grace_s` seconds (default an hour; 0: dead now)."""
-    store = _store(request)
     record, secret = await store.rotate(await store.resolve(key), (body or KeyRotate()).grace_s)
     return KeySecret(key=record, secret=secret)
 
 
 @router.get("/usage", response_model=UsageReport)
-async def usage(request: Request,
+async def usage(store: KeyStoreDep, book: UsageDep,
                 key: str | None = Query(None, max_length=64, description="A key's name or id"),
                 since: str = Query("7d", max_length=32, description="How far back: 12h, 7d, 4w ... "
                                    "(at most the usage retention, KVGATE_USAGE_RETENTION_DAYS)"),
@@ -88,9 +82,7 @@ async def usage(request: Request,
         seconds = parse_duration(since)
     except ValueError as exc:
         raise InvalidRequest(str(exc), param="since") from exc
-    book = request.app.state.usage
     start = book.window_start(time.time() - seconds)  # nothing older is kept: no longer report
-    store = _store(request)
     key_id = key if key in BOOTSTRAP_IDS or not key else (await store.get(key)).id
     rows = await book.query(start, key_id, by)
     names = {r.id: r.name for r in await store.list()} if by == "key" else {}

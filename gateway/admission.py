@@ -7,14 +7,17 @@ import logging
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.auth import authenticate
+from gateway.auth import CurrentKey
+from gateway.deps import StateDep
 from gateway.dispatch import Handle
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
 from gateway.routing import Outcome
+from gateway.state import GatewayState
 from shared import names
 from shared.telemetry import tracer
 
@@ -23,19 +26,38 @@ log = logging.getLogger("kvgate.gateway")
 
 @dataclass
 class Lease:
-    """What one admitted request holds, and what it turned out to use."""
+    """What one admitted request holds, and what it turned out to use. It moves on only through
+    the methods below: reserved → dispatched → finished (usage) or failed (an error mid-stream)."""
 
     key: KeyRecord
     slot_id: str
     slot: bool = False
+    lane: str = names.DEFAULT_LANE  # a batch line's token puts it in names.BATCH_LANE
     reservation: Reservation | None = None
     model: str | None = None
     version: str | None = None  # set once dispatched: from then on the request counts as usage
-    usage: dict | None = None  # the `usage` the client received
-    outcome: Outcome | None = None  # timings and ending, for the canary analysis
-    lane: str = names.DEFAULT_LANE  # a batch line's token puts it in names.BATCH_LANE
-    error_status: int | None = None  # the status of an error a stream ended with
     handle: Handle | None = None  # its replies, once dispatched
+    outcome: Outcome | None = None  # timings and ending, for the canary analysis
+    usage: dict | None = None  # the `usage` the client received
+    error_status: int | None = None  # the status of an error a stream ended with
+
+    def reserved(self, reservation: Reservation) -> None:
+        """Tokens were charged to the key's minute and day (settled at the end)."""
+        self.reservation = reservation
+
+    def dispatched(self, model: str, handle: Handle, outcome: Outcome) -> None:
+        """The request is on its version's stream: from now on it counts as usage."""
+        self.model, self.version, self.handle = model, outcome.version, handle
+        if self.lane == names.DEFAULT_LANE:  # batch lines wait behind by design: no canary signal
+            self.outcome = outcome
+
+    def finished(self, usage: dict) -> None:
+        """The client received this `usage`: what is charged."""
+        self.usage = usage
+
+    def failed(self, status: int) -> None:
+        """The stream ended with an error event of this status (its 200 had gone out)."""
+        self.error_status = status
 
     def charged_tokens(self) -> int:
         """Actual tokens when the request finished; nothing if it never reached a worker or the
@@ -58,8 +80,8 @@ def _lane(request: Request) -> str:
     return getattr(request.state, "lane", names.DEFAULT_LANE)  # set by authenticate
 
 
-async def admit(request: Request, key: KeyRecord = Depends(authenticate)) -> AsyncIterator[Lease]:
-    limits = request.app.state.limits
+async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIterator[Lease]:
+    limits = state.limits
     with tracer().start_as_current_span("limits"):
         set_ratelimit_headers(request, await limits.token_window(key))
         set_ratelimit_headers(request, await limits.count_request(key))
@@ -69,11 +91,10 @@ async def admit(request: Request, key: KeyRecord = Depends(authenticate)) -> Asy
     try:
         yield lease
     finally:
-        await settle(request, lease)
+        await settle(state, lease)
 
 
-async def settle(request: Request, lease: Lease) -> None:
-    state = request.app.state
+async def settle(state: GatewayState, lease: Lease) -> None:
     try:
         if lease.reservation is not None:
             await state.limits.settle_tokens(lease.reservation, lease.charged_tokens())
@@ -89,3 +110,6 @@ async def settle(request: Request, lease: Lease) -> None:
                 await state.limits.release_slot(lease.key, lease.slot_id)
             except Exception as exc:  # a read-only Redis: the slot frees itself at its expiry
                 log.warning("could not release a slot of key %s: %s", lease.key.id, type(exc).__name__)
+
+
+Admitted = Annotated[Lease, Depends(admit)]

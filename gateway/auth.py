@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import hmac
+from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.keys import KeyRecord, bootstrap_record
+from gateway.deps import StateDep
+from gateway.keys import KeyRecord, bootstrap_keys
+from gateway.state import GatewayState
 from shared import names
 from shared.batches import token_batch
 from shared.errors import AuthenticationFailed, PermissionDenied
@@ -22,33 +25,31 @@ def bearer_token(request: Request) -> str | None:
 
 def _bootstrap(settings, token: str) -> KeyRecord | None:
     """The dev key and the admin key from settings, compared in constant time."""
-    for secret, key_id, role in ((settings.admin_key, "admin", "admin"), (settings.api_key, "dev", "user")):
+    for secret, record in bootstrap_keys(settings):
         if secret is not None and hmac.compare_digest(token.encode(), secret.get_secret_value().encode()):
-            return bootstrap_record(key_id, role)
+            return record
     return None
 
 
 @traced("auth")
-async def authenticate(request: Request) -> KeyRecord:
+async def authenticate(request: Request, state: StateDep) -> KeyRecord:
     """The caller's key record, or 401 (missing, unknown, revoked or expired key); an address that
     keeps failing gets 429 for a while (gateway/throttle.py)."""
-    throttle = request.app.state.throttle
-    throttle.check_auth(request)
+    state.throttle.check_auth(request)
     try:
-        record = await _identify(request)
+        record = await _identify(request, state)
     except AuthenticationFailed:
-        throttle.auth_failed(request)
+        state.throttle.auth_failed(request)
         raise
     request.state.key = record
     return record
 
 
-async def _identify(request: Request) -> KeyRecord:
+async def _identify(request: Request, state: GatewayState) -> KeyRecord:
     token = bearer_token(request)
     if token is None:
         raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'")
-    state = request.app.state
-    record = (_bootstrap(state.settings, token) or await _batch_owner(request, token)
+    record = (_bootstrap(state.settings, token) or await _batch_owner(request, state, token)
               or await state.keystore.lookup(token))
     if record is None:
         raise AuthenticationFailed("Incorrect API key provided")
@@ -57,10 +58,9 @@ async def _identify(request: Request) -> KeyRecord:
     return record
 
 
-async def _batch_owner(request: Request, token: str) -> KeyRecord | None:
+async def _batch_owner(request: Request, state: GatewayState, token: str) -> KeyRecord | None:
     """A batch line (services/batch.py) carries its batch's token: it stands for the key that made
     the batch, so the line is governed as that key's request, and it goes to the batch lane."""
-    state = request.app.state
     batch_id = token_batch(state.settings.secret.get_secret_value(), token)
     if batch_id is None:
         return None
@@ -68,10 +68,9 @@ async def _batch_owner(request: Request, token: str) -> KeyRecord | None:
     if batch is None or batch.status != "in_progress":
         raise AuthenticationFailed(f"Batch {batch_id} is not in progress", code="batch_not_running")
     request.state.lane = names.BATCH_LANE
-    settings = state.settings
-    for secret, key_id, role in ((settings.admin_key, "admin", "admin"), (settings.api_key, "dev", "user")):
-        if batch.owner == key_id:
-            return bootstrap_record(key_id, role) if secret is not None else None
+    for secret, record in bootstrap_keys(state.settings):
+        if batch.owner == record.id:
+            return record if secret is not None else None
     return await state.keystore.by_id(batch.owner)
 
 
@@ -81,3 +80,6 @@ async def require_admin(request: Request, key: KeyRecord = Depends(authenticate)
     if key.role != "admin" or getattr(request.state, "lane", None) == names.BATCH_LANE:
         raise PermissionDenied("This route needs an admin key", code="admin_key_required")
     return key
+
+
+CurrentKey = Annotated[KeyRecord, Depends(authenticate)]

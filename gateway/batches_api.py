@@ -7,13 +7,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from gateway.admin_schemas import ErrorBody
+from gateway.deps import BatchesDep, StateDep
 from gateway.files_api import Account, Metered, quota_limits
 from gateway.list_page import ListPage
-from shared.batches import BatchObject, BatchStore, Endpoint
+from shared.batches import BatchObject, Endpoint
 from shared.errors import Conflict, InvalidRequest
 
 ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
@@ -47,46 +48,41 @@ class BatchList(ListPage[BatchObject]):
     pass
 
 
-def _store(request: Request) -> BatchStore:
-    return request.app.state.batches
-
-
 @router.post("", response_model=BatchObject)
-async def create(body: BatchCreate, request: Request, key: Metered) -> BatchObject:
+async def create(body: BatchCreate, key: Metered, state: StateDep) -> BatchObject:
     """A batch of the file's requests, each governed as this key's (models, limits, budgets)."""
-    file = await request.app.state.files.get(key.id, body.input_file_id, param="input_file_id")
+    file = await state.files.get(key.id, body.input_file_id, param="input_file_id")
     if file.purpose != "batch":
         raise InvalidRequest(f"File {file.id} was not uploaded with purpose 'batch'",
                              param="input_file_id")
-    batch = await _store(request).create(key.id, body.endpoint, file.id, body.completion_window,
-                                         body.metadata, quota_limits(request, key))
-    await request.app.state.batch_queue.submit(batch.id)
+    batch = await state.batches.create(key.id, body.endpoint, file.id, body.completion_window,
+                                       body.metadata, quota_limits(state.settings, key))
+    await state.batch_queue.submit(batch.id)
     return batch.public()
 
 
 @router.get("", response_model=BatchList)
-async def list_batches(request: Request, key: Metered,
+async def list_batches(key: Metered, store: BatchesDep,
                        after: str | None = Query(None, description="A batch id: the page after it"),
                        limit: int = Query(20, ge=1, le=100)) -> BatchList:
     """This key's batches, newest first."""
-    batches, more = await _store(request).list(key.id, after, limit)
+    batches, more = await store.list(key.id, after, limit)
     return BatchList.of([b.public() for b in batches], more)
 
 
 @router.get("/{batch_id}", response_model=BatchObject)
-async def retrieve(batch_id: str, request: Request, key: Account) -> BatchObject:
+async def retrieve(batch_id: str, key: Account, store: BatchesDep) -> BatchObject:
     """Status and progress (`request_counts`) as the runner goes."""
     # Not counted against requests per minute: clients poll it in a loop while the batch runs, and
     # the batch's own lines count against that same minute, so counting the polls would slow the
     # batch its owner is waiting for. It is one read of one hash, behind the key check.
-    return (await _store(request).get(key.id, batch_id)).public()
+    return (await store.get(key.id, batch_id)).public()
 
 
 @router.post("/{batch_id}/cancel", response_model=BatchObject)
-async def cancel(batch_id: str, request: Request, key: Metered) -> BatchObject:
+async def cancel(batch_id: str, key: Metered, store: BatchesDep) -> BatchObject:
     """Stops sending lines and aborts those in flight; the batch is `cancelling` until the runner
     has written what completed, then `cancelled`."""
-    store = _store(request)
     await store.get(key.id, batch_id)
     moved, status = await store.move(batch_id, "cancelling", "validating", "in_progress")
     if not moved and status not in ("cancelling", "cancelled"):

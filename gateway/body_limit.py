@@ -13,8 +13,7 @@ connection stays usable, so the client reads its answer instead of a reset), nev
 """
 from __future__ import annotations
 
-import orjson
-
+from gateway.errors import error_response
 from shared.errors import PayloadTooLarge
 
 
@@ -30,7 +29,7 @@ class BodyLimitMiddleware:
         limit = self.larger.get(scope["path"], self.max_bytes)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await self._refuse(send, limit)
+            return await _refuse(scope, receive, send, limit)
         if scope["path"] in self.larger:
             return await self.app(scope, receive, send)
         body, more = [], True
@@ -42,7 +41,7 @@ class BodyLimitMiddleware:
             chunk = msg.get("body", b"")
             total += len(chunk)
             if total > limit:
-                return await self._refuse(send, limit)
+                return await _refuse(scope, receive, send, limit)
             body.append(chunk)
             more = msg.get("more_body", False)
         replayed = False
@@ -56,10 +55,7 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send, limit: int) -> None:
-        exc = PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes")
-        payload = orjson.dumps(exc.to_openai())
-        await send({"type": "http.response.start", "status": exc.status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
-        await send({"type": "http.response.body", "body": payload})
+
+async def _refuse(scope, receive, send, limit: int) -> None:
+    exc = PayloadTooLarge(f"Request body exceeds the limit of {limit} bytes")
+    await error_response(exc)(scope, receive, send)

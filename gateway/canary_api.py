@@ -4,12 +4,15 @@ from __future__ import annotations
 from collections import Counter
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request
+import redis.asyncio as aioredis
+from fastapi import APIRouter, Depends, Path
 
 from gateway.admin_api import ERRORS
 from gateway.auth import require_admin
 from gateway.canary_schemas import (CanaryRollback, CanarySet, CanaryStatus, RouteList,
                                     VersionObserved)
+from gateway.deps import RouterDep
+from gateway.routing import Router
 from shared import canary, canary_stats, names
 from shared.canary import Route, RouteStore
 from shared.errors import Conflict, InvalidRequest, NotFound
@@ -19,22 +22,25 @@ router = APIRouter(prefix="/admin/canary", dependencies=[Depends(require_admin)]
                    responses=ERRORS)
 
 
-def _store(request: Request) -> RouteStore:
-    return request.app.state.router.store
+def _store(routing: RouterDep) -> RouteStore:
+    return routing.store
 
 
-async def _known_versions(request: Request, alias: str) -> set[str]:
-    raw = await request.app.state.redis.hkeys(names.model_versions_key(alias))
+Routes = Annotated[RouteStore, Depends(_store)]
+
+
+async def _known_versions(redis: aioredis.Redis, alias: str) -> set[str]:
+    raw = await redis.hkeys(names.model_versions_key(alias))
     return {v.decode() for v in raw}
 
 
-async def _stable_for(request: Request, alias: str, body: CanarySet, current: Route | None) -> str:
+async def _stable_for(routing: Router, alias: str, body: CanarySet, current: Route | None) -> str:
     if body.stable:
         return body.stable
     if current is not None:
         return current.stable
-    live = await request.app.state.router.live_versions(alias) - {body.version}
-    known = await _known_versions(request, alias) - {body.version}
+    live = await routing.live_versions(alias) - {body.version}
+    known = await _known_versions(routing.redis, alias) - {body.version}
     for candidates in (live, known):
         if len(candidates) == 1:
             return next(iter(candidates))
@@ -43,14 +49,14 @@ async def _stable_for(request: Request, alias: str, body: CanarySet, current: Ro
 
 
 @router.put("/{alias}", response_model=Route)
-async def set_canary(alias: Alias, body: CanarySet, request: Request) -> Route:
+async def set_canary(alias: Alias, body: CanarySet, routing: RouterDep) -> Route:
     """Put `version` on trial; replaces any canary the alias had (its stable stays). The canary
     may have no worker yet: its share is served by stable (failover) until one is live, so a
     route can be set before the new version's workers start."""
-    store = _store(request)
+    store = routing.store
     current = await store.get(alias)
-    stable = await _stable_for(request, alias, body, current)
-    known = await _known_versions(request, alias)
+    stable = await _stable_for(routing, alias, body, current)
+    known = await _known_versions(routing.redis, alias)
     pinned = ((f"cohorts.{c}", v) for c, v in body.cohorts.items())
     for param, version in (("stable", stable), *pinned):
         if version not in known:
@@ -70,23 +76,22 @@ async def set_canary(alias: Alias, body: CanarySet, request: Request) -> Route:
 
 
 @router.get("", response_model=RouteList)
-async def list_routes(request: Request) -> RouteList:
-    store = _store(request)
+async def list_routes(store: Routes) -> RouteList:
     routes = [await store.get(alias) for alias in await store.aliases()]
     return RouteList(data=[r for r in routes if r is not None])
 
 
 @router.get("/{alias}", response_model=CanaryStatus)
-async def canary_status(alias: Alias, request: Request) -> CanaryStatus:
+async def canary_status(alias: Alias, routing: RouterDep) -> CanaryStatus:
     """The route, the configured and observed split, success rate and latency per version over
     the analysis window, counters, and the last events."""
-    store = _store(request)
+    store = routing.store
     route = await _get(store, alias)
     t = route.thresholds
-    stats = await canary_stats.read(request.app.state.redis, alias, route.versions(), t.window_s,
+    stats = await canary_stats.read(routing.redis, alias, route.versions(), t.window_s,
                                     since=route.started)
     total = sum(s.requests for s in stats.values())
-    workers = Counter(w["version"] for w in await request.app.state.router.live_workers(alias))
+    workers = Counter(w["version"] for w in await routing.live_workers(alias))
     versions = {}
     for version, s in stats.items():
         role = "canary" if version == route.canary else "stable"
@@ -100,9 +105,8 @@ async def canary_status(alias: Alias, request: Request) -> CanaryStatus:
 
 
 @router.post("/{alias}/promote", response_model=Route)
-async def promote(alias: Alias, request: Request) -> Route:
+async def promote(alias: Alias, store: Routes) -> Route:
     """The canary becomes stable for everyone, now."""
-    store = _store(request)
     route = await _transition(store, alias, canary.promoted)
     await store.count(alias, "promotions")
     await store.add_event(route, "promote", f"{route.stable} promoted to stable by an admin")
@@ -110,9 +114,8 @@ async def promote(alias: Alias, request: Request) -> Route:
 
 
 @router.post("/{alias}/rollback", response_model=Route)
-async def rollback(alias: Alias, request: Request, body: CanaryRollback | None = None) -> Route:
+async def rollback(alias: Alias, store: Routes, body: CanaryRollback | None = None) -> Route:
     """Everyone back on stable (canary weight 0); the canary stays named for the record."""
-    store = _store(request)
     reason = (body or CanaryRollback()).reason
     route = await _transition(store, alias, lambda r: canary.rolled_back(r, reason))
     await store.count(alias, "manual_rollbacks")
@@ -121,14 +124,14 @@ async def rollback(alias: Alias, request: Request, body: CanaryRollback | None =
 
 
 @router.post("/{alias}/pause", response_model=Route)
-async def pause(alias: Alias, request: Request) -> Route:
+async def pause(alias: Alias, store: Routes) -> Route:
     """Steps stop advancing; an automatic rollback still happens if the analysis fails."""
-    return await _pause(_store(request), alias, True)
+    return await _pause(store, alias, True)
 
 
 @router.post("/{alias}/resume", response_model=Route)
-async def resume(alias: Alias, request: Request) -> Route:
-    return await _pause(_store(request), alias, False)
+async def resume(alias: Alias, store: Routes) -> Route:
+    return await _pause(store, alias, False)
 
 
 async def _pause(store: RouteStore, alias: str, pause: bool) -> Route:

@@ -22,7 +22,8 @@ RESYNC = object()  # put in every open queue after a resubscribe: replies may ha
 CANCEL_MARK_TTL_S = 600
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
 # An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms), in the
-# same round trip, so batch runners know to yield.
+# same round trip, so batch runners know to yield. Answers the new entry's id, or FULL.
+FULL = None  # Lua's false, as redis-py reads it: the stream is at its depth
 _XADD_BOUNDED = """
 if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
 if KEYS[2] then redis.call('SET', KEYS[2], '1', 'PX', ARGV[4]) end
@@ -119,7 +120,7 @@ class Dispatcher:
         except Exception as exc:
             self.queues.pop(entry.request_id, None)
             raise redis_unavailable(exc) from exc
-        if not added:
+        if added is FULL:
             self.queues.pop(entry.request_id, None)
             raise Overloaded(f"model '{entry.model}' is at its queue depth limit of "
                              f"{self.max_stream_depth} requests; retry shortly", retry_after=2)

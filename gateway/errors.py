@@ -11,17 +11,28 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.errors import KvgateError, Overloaded
+from shared.errors import KvgateError, Overloaded, Unprocessable
 from shared.redis_errors import refusal
 
 log = logging.getLogger("kvgate.gateway")
 
 
 def error_response(exc: KvgateError) -> JSONResponse:
-    headers = dict(getattr(exc, "headers", None) or {})
+    """The one way an error leaves the gateway: OpenAI's body, its status, its headers."""
+    headers = dict(exc.headers)
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return JSONResponse(exc.to_openai(), status_code=exc.status, headers=headers)
+
+
+class _Refused(KvgateError):
+    """An error the gateway did not raise itself (FastAPI's validation, Starlette's 404 and 405):
+    its own status, and a type and code said per instance."""
+
+    def __init__(self, message: str, status: int, type_: str, code: str | None, *,
+                 param: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message, param=param, headers=headers)
+        self.status, self.type, self.code = status, type_, code
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -42,9 +53,7 @@ async def _on_kvgate(_: Request, exc: KvgateError) -> JSONResponse:
 
 def invalid_json_body(detail: str | None = None) -> JSONResponse:
     message = "request body is not valid JSON" + (f": {detail}" if detail else "")
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                      "code": "invalid_value"}}
-    return JSONResponse(body, status_code=422)
+    return error_response(Unprocessable(message))
 
 
 async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -56,16 +65,14 @@ async def _on_validation(_: Request, exc: RequestValidationError) -> JSONRespons
     param = _param(tuple(first.get("loc", ())))
     msg = str(first.get("msg")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param,
-                      "code": "invalid_value"}}
-    return JSONResponse(body, status_code=422)
+    return error_response(Unprocessable(message, param=param))
 
 
 async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-    kind = {401: "authentication_error", 403: "permission_error", 404: "invalid_request_error",
-            405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-    body = {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": None}}
-    return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+    kind = {401: "authentication_error", 403: "permission_error"}.get(exc.status_code,
+                                                                      "invalid_request_error")
+    return error_response(_Refused(str(exc.detail), exc.status_code, kind, None,
+                                   headers=getattr(exc, "headers", None)))
 
 
 def redis_unavailable(exc: BaseException) -> Overloaded:
@@ -84,9 +91,7 @@ async def _on_redis(_: Request, exc: Exception) -> JSONResponse:
 
 async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
     log.exception("unhandled error: %s", type(exc).__name__)
-    body = {"error": {"message": "internal error", "type": "server_error", "param": None,
-                      "code": "internal_error"}}
-    return JSONResponse(body, status_code=500)
+    return error_response(KvgateError("internal error", code="internal_error"))
 
 
 def install(app: FastAPI) -> None:

@@ -16,14 +16,16 @@ from pydantic import BaseModel
 
 from gateway.admin_schemas import ErrorBody
 from gateway.admission import set_ratelimit_headers
-from gateway.auth import authenticate
+from gateway.auth import CurrentKey
+from gateway.deps import FilesDep, LimitsDep, SettingsDep
 from gateway.keys import KeyRecord
 from gateway.list_page import ListPage
 from gateway.uploads import ENVELOPE_BYTES, OPENAPI_BODY, receive_upload
 from shared import names
 from shared.errors import PermissionDenied
-from shared.files import FileObject, FileStore
+from shared.files import FileObject
 from shared.quota import QuotaLimits
+from shared.settings import GatewaySettings
 
 UPLOAD_ENVELOPE_BYTES = ENVELOPE_BYTES  # room for the multipart framing around the file itself
 ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
@@ -33,7 +35,7 @@ ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in 
 router = APIRouter(prefix="/v1/files", tags=["files"], responses=ERRORS)
 
 
-async def account(request: Request, key: KeyRecord = Depends(authenticate)) -> KeyRecord:
+async def account(request: Request, key: CurrentKey) -> KeyRecord:
     """Files and batches are managed with an API key; a batch line's token only sends requests."""
     if getattr(request.state, "lane", None) == names.BATCH_LANE:
         raise PermissionDenied("A batch line's token cannot manage files or batches",
@@ -41,19 +43,20 @@ async def account(request: Request, key: KeyRecord = Depends(authenticate)) -> K
     return key
 
 
-async def metered(request: Request, key: KeyRecord = Depends(account)) -> KeyRecord:
+Account = Annotated[KeyRecord, Depends(account)]
+
+
+async def metered(request: Request, key: Account, limits: LimitsDep) -> KeyRecord:
     """`account`, counted against the key's requests per minute like every /v1 call that works."""
-    set_ratelimit_headers(request, await request.app.state.limits.count_request(key))
+    set_ratelimit_headers(request, await limits.count_request(key))
     return key
 
 
-Account = Annotated[KeyRecord, Depends(account)]
 Metered = Annotated[KeyRecord, Depends(metered)]
 
 
-def quota_limits(request: Request, key: KeyRecord) -> QuotaLimits:
+def quota_limits(s: GatewaySettings, key: KeyRecord) -> QuotaLimits:
     """The key's stored-data quotas: its own, else the gateway's defaults."""
-    s = request.app.state.settings
     return QuotaLimits(key.name, _given(key.max_stored_bytes, s.max_stored_bytes_per_key),
                        _given(key.max_files, s.max_files_per_key),
                        _given(key.max_batches_in_progress, s.max_batches_in_progress_per_key))
@@ -73,43 +76,37 @@ class FileDeleted(BaseModel):
     deleted: bool = True
 
 
-def _store(request: Request) -> FileStore:
-    return request.app.state.files
-
-
 @router.post("", response_model=FileObject, openapi_extra=OPENAPI_BODY)
-async def upload(request: Request, key: Metered) -> FileObject:
+async def upload(request: Request, key: Metered, store: FilesDep, settings: SettingsDep) -> FileObject:
     """Upload a batch input file: one request per line (`custom_id`, `method`, `url`, `body`).
     The key is checked before any of the body is read; the file is then streamed to disk."""
-    record = await receive_upload(request, _store(request), key.id, quota_limits(request, key))
+    record = await receive_upload(request, settings, store, key.id, quota_limits(settings, key))
     return record.public()
 
 
 @router.get("", response_model=FileList)
-async def list_files(request: Request, key: Metered,
+async def list_files(key: Metered, store: FilesDep,
                      purpose: str | None = Query(None, description="batch or batch_output"),
                      limit: int = Query(10_000, ge=1, le=10_000),
                      after: str | None = Query(None, description="A file id: the page after it"),
                      order: Literal["asc", "desc"] = "desc") -> FileList:
-    records, more = await _store(request).list(key.id, purpose, order, after, limit)
+    records, more = await store.list(key.id, purpose, order, after, limit)
     return FileList.of([r.public() for r in records], more)
 
 
 @router.get("/{file_id}", response_model=FileObject)
-async def retrieve(file_id: str, request: Request, key: Metered) -> FileObject:
-    return (await _store(request).get(key.id, file_id)).public()
+async def retrieve(file_id: str, key: Metered, store: FilesDep) -> FileObject:
+    return (await store.get(key.id, file_id)).public()
 
 
 @router.get("/{file_id}/content", response_class=FileResponse,
             responses={200: {"content": {"application/jsonl": {}}, "description": "The file's bytes"}})
-async def content(file_id: str, request: Request, key: Metered) -> FileResponse:
-    store = _store(request)
+async def content(file_id: str, key: Metered, store: FilesDep) -> FileResponse:
     return FileResponse(store.content_path(await store.get(key.id, file_id)),
                         media_type="application/jsonl")
 
 
 @router.delete("/{file_id}", response_model=FileDeleted)
-async def delete(file_id: str, request: Request, key: Metered) -> FileDeleted:
-    store = _store(request)
+async def delete(file_id: str, key: Metered, store: FilesDep) -> FileDeleted:
     await store.delete(await store.get(key.id, file_id))
     return FileDeleted(id=file_id)

@@ -7,7 +7,7 @@ import secrets
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from gateway.bounded import bounded
 from shared.errors import PermissionDenied
@@ -16,7 +16,9 @@ SECRET_PREFIX = "sk-kvg-"
 Role = Literal["user", "admin"]
 Status = Literal["active", "revoked"]
 CacheScope = Literal["tenant", "key", "shared"]
-BOOTSTRAP_IDS = ("dev", "admin")  # ids of the keys that come from settings, not from Redis
+# the keys that come from settings, not from Redis: (settings field, key id, role)
+BOOTSTRAP = (("admin_key", "admin", "admin"), ("api_key", "dev", "user"))
+BOOTSTRAP_IDS = tuple(key_id for _, key_id, _ in BOOTSTRAP)
 # Lua hands numbers back to Redis printed with 14 significant digits: limits stay below that, exact
 MAX_LIMIT = 10**12
 PRIORITY_BOUND = 100  # request priorities lie in [-100, 100]; lower is served first
@@ -130,3 +132,9 @@ def bootstrap_record(key_id: str, role: Role) -> KeyRecord:
     """The record of a key that comes from settings (dev or admin key): gateway defaults, and its
     own tenant (no owner)."""
     return KeyRecord(id=key_id, name=key_id, role=role, created=0.0)
+
+
+def bootstrap_keys(settings) -> list[tuple[SecretStr | None, KeyRecord]]:
+    """Each key that comes from settings: its secret (None when unset) and its record."""
+    return [(getattr(settings, field), bootstrap_record(key_id, role))
+            for field, key_id, role in BOOTSTRAP]

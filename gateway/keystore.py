@@ -27,13 +27,15 @@ if not id then return false end
 return redis.call('HGET', '%s:' .. id, 'record')
 """ % names.key_record("").rstrip(":")
 
-# KEYS: name index, record hash, digest key. ARGV: name, id, record JSON, digest. 0: name taken.
+NAME_TAKEN, CREATED = 0, 1  # what CREATE answers
+
+# KEYS: name index, record hash, digest key. ARGV: name, id, record JSON, digest.
 CREATE = """
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return %(taken)d end
 redis.call('HSET', KEYS[2], 'record', ARGV[3], 'digest', ARGV[4])
 redis.call('SET', KEYS[3], ARGV[2])
-return 1
-"""
+return %(created)d
+""" % {"taken": NAME_TAKEN, "created": CREATED}
 
 
 def _not_found(name_or_id: str) -> NotFound:
@@ -58,10 +60,10 @@ class KeyStore:
         """Store a new key (its name must be free); the secret is returned once, here."""
         secret = new_secret()
         d = self.digest(secret)
-        created = await self._create(
+        outcome = await self._create(
             keys=[names.KEY_NAMES, names.key_record(record.id), names.key_digest(d)],
             args=[record.name, record.id, record.model_dump_json(), d])
-        if not created:
+        if outcome == NAME_TAKEN:
             raise Conflict(f"A key named '{record.name}' already exists", param="name")
         return record, secret
 

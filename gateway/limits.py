@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from enum import IntEnum
 
 import redis.asyncio as aioredis
 from limits import RateLimitItemPerMinute
@@ -29,18 +30,36 @@ from shared.usage import utc_day
 WINDOW_S = 60
 DAY_TTL_S = 2 * 86400
 
+
+class Slot(IntEnum):
+    """What ACQUIRE_SLOT answers."""
+
+    FULL = 0  # the key has its cap of requests in flight
+    TAKEN = 1
+
+
+# KEYS: the key's in-flight set. ARGV: now, cap, expiry, slot id, key TTL.
 ACQUIRE_SLOT = """
 local now = tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return 0 end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return %(full)d end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
 redis.call('EXPIRE', KEYS[1], ARGV[5])
-return 1
-"""
+return %(taken)d
+""" % {"full": Slot.FULL, "taken": Slot.TAKEN}
+
+
+class Reserved(IntEnum):
+    """What RESERVE_TOKENS answers first: admitted, or the limit the request hit."""
+
+    ADMITTED = 1
+    OVER_TPM = 2
+    OVER_DAILY = 3
+
 
 # KEYS: tpm hash, daily counter. ARGV: estimate, tpm limit, daily limit (-1: none).
-# Returns {admitted (1) or the limit hit (2 tpm, 3 daily), bucket second, tokens used in the window
-# after this request, seconds until enough of the window frees up (tpm only)}.
+# Returns {a Reserved, bucket second, tokens used in the window after this request, seconds until
+# enough of the window frees up (OVER_TPM only)}.
 RESERVE_TOKENS = """
 local now = tonumber(redis.call('TIME')[1])
 local est, tpm, daily = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
@@ -58,16 +77,17 @@ if used + est > tpm then
     left = left - b[2]
     if left + est <= tpm then wait = b[1] + %(window)d - now; break end
   end
-  return {2, now, used, wait}
+  return {%(over_tpm)d, now, used, wait}
 end
 local today = tonumber(redis.call('GET', KEYS[2]) or '0')
-if daily >= 0 and today + est > daily then return {3, now, used, 0} end
+if daily >= 0 and today + est > daily then return {%(over_daily)d, now, used, 0} end
 redis.call('HINCRBY', KEYS[1], now, est)
 redis.call('EXPIRE', KEYS[1], %(window)d * 2)
 redis.call('INCRBY', KEYS[2], est)
 redis.call('EXPIRE', KEYS[2], %(day_ttl)d)
-return {1, now, used + est, 0}
-""" % {"window": WINDOW_S, "day_ttl": DAY_TTL_S}
+return {%(admitted)d, now, used + est, 0}
+""" % {"window": WINDOW_S, "day_ttl": DAY_TTL_S, "admitted": Reserved.ADMITTED,
+       "over_tpm": Reserved.OVER_TPM, "over_daily": Reserved.OVER_DAILY}
 
 # KEYS: tpm hash, daily counter. ARGV: admission bucket, actual - estimate.
 SETTLE_TOKENS = """
@@ -94,11 +114,6 @@ class Reservation:
 
 def seconds_to_midnight(now: float) -> float:
     return 86400 - now % 86400
-
-
-def _with_headers(exc: RateLimited, headers: dict[str, str]) -> RateLimited:
-    exc.headers = headers  # a 429 still tells the client where it stands
-    return exc
 
 
 def duration(seconds: float) -> str:
@@ -138,10 +153,10 @@ class Limits:
                    "x-ratelimit-reset-requests": duration(wait)}
         if not admitted:
             rate_limited("rpm")
-            raise _with_headers(RateLimited(
+            raise RateLimited(  # a 429 still tells the client where it stands: the headers
                 f"Rate limit reached for key '{key.name}' on requests per minute (RPM): "
                 f"Limit {item.amount}, Used {item.amount}, Requested 1. "
-                f"Please try again in {duration(wait)}.", retry_after=wait), headers)
+                f"Please try again in {duration(wait)}.", retry_after=wait, headers=headers)
         return headers
 
     # -- requests in flight ----------------------------------------------------------------
@@ -151,10 +166,10 @@ class Limits:
             return False
         now = time.time()
         expires = now + self.settings.request_timeout_s + 60  # outlives any live request
-        ok = await self._acquire_slot(keys=[names.inflight_key(key.id)],
+        slot = await self._acquire_slot(keys=[names.inflight_key(key.id)],
                                       args=[now, key.max_concurrent, expires, request_id,
                                             int(self.settings.request_timeout_s) + 120])
-        if not ok:
+        if slot == Slot.FULL:
             rate_limited("concurrency")
             raise RateLimited(f"Too many concurrent requests for key '{key.name}': "
                               f"Limit {key.max_concurrent} in flight. Retry when one finishes.",
@@ -173,19 +188,19 @@ class Limits:
         outcome, bucket, used, wait = await self._reserve(
             keys=[names.tpm_key(key.id), names.daily_tokens_key(key.id, day)],
             args=[estimate, tpm, key.daily_tokens if key.daily_tokens is not None else -1])
-        headers = self.token_headers(tpm, used, wait if outcome == 2 else WINDOW_S)
-        if outcome == 2:
+        headers = self.token_headers(tpm, used, wait if outcome == Reserved.OVER_TPM else WINDOW_S)
+        if outcome == Reserved.OVER_TPM:
             rate_limited("tpm")
-            raise _with_headers(RateLimited(
+            raise RateLimited(
                 f"Rate limit reached for key '{key.name}' on tokens per minute (TPM): "
                 f"Limit {tpm}, Used {used}, Requested {estimate}. "
-                f"Please try again in {duration(wait)}.", retry_after=wait), headers)
-        if outcome == 3:
+                f"Please try again in {duration(wait)}.", retry_after=wait, headers=headers)
+        if outcome == Reserved.OVER_DAILY:
             rate_limited("daily")
-            raise _with_headers(RateLimited(
+            raise RateLimited(
                 f"Daily token budget of key '{key.name}' exhausted: Limit {key.daily_tokens}, "
                 f"Requested {estimate}. It resets at 00:00 UTC.",
-                code="insufficient_quota", retry_after=seconds_to_midnight(now)), headers)
+                code="insufficient_quota", retry_after=seconds_to_midnight(now), headers=headers)
         return Reservation(key.id, int(bucket), day, estimate), headers
 
     async def settle_tokens(self, reservation: Reservation, actual: int) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's Prometheus metrics and its /metrics route.
+"""The gateway's Prometheus metrics and the page its /metrics route serves (gateway/app.py).
 
 Two sources, one page:
 - per-process counters, histograms and gauges (requests, latency, TTFT, rate-limit refusals, open
@@ -17,9 +17,7 @@ import os
 import re
 from pathlib import Path
 
-from fastapi import Request, Response
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Gauge,
-                               Histogram, generate_latest)
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared import names
@@ -55,11 +53,10 @@ def rate_limited(limit: str) -> None:
     RATE_LIMITED.labels(limit).inc()
 
 
-# -- /metrics ----------------------------------------------------------------------------------
-async def metrics(request: Request) -> Response:
-    """Prometheus exposition: every process's metrics summed, then the cluster state from Redis."""
-    body = process_metrics() + await cluster_metrics(request.app.state)
-    return Response(body, media_type=CONTENT_TYPE_LATEST)
+# -- the /metrics page (its route is in gateway/app.py) -----------------------------------------
+async def page(state) -> bytes:
+    """Every process's metrics summed, then the cluster state from Redis."""
+    return process_metrics() + await cluster_metrics(state)
 
 
 def process_metrics() -> bytes:

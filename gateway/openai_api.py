@@ -6,7 +6,8 @@ import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import orjson
 from fastapi import APIRouter, Depends, Request
@@ -14,10 +15,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from gateway import estimate
-from gateway.admission import Lease, admit, set_ratelimit_headers
+from gateway.admission import Admitted, Lease, admit, set_ratelimit_headers
+from gateway.deps import StateDep
 from gateway.dispatch import KEEPALIVE, Handle, Lookahead
 from gateway.routing import VERSION_HEADER, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.state import GatewayState
 from gateway.validation import check_context, check_model_allowed, check_output_limits, check_token_ids
 from shared import logs, names, protocol, telemetry
 from shared.batches import BATCH_PRIORITY
@@ -28,99 +31,130 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connecti
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
 
 
+@dataclass(frozen=True)
+class Call:
+    """What `_serve` needs of one API's request: the validated body, which API it came by, the
+    prompt as the entry carries it (messages, prompt or prompt_token_ids)."""
+
+    body: ChatCompletionRequest | CompletionRequest
+    kind: Literal["chat", "completion"]
+    prompt: dict[str, Any]
+
+    @classmethod
+    def chat(cls, body: ChatCompletionRequest) -> Call:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return cls(body, "chat", {"messages": messages})
+
+    @classmethod
+    def completion(cls, body: CompletionRequest) -> Call:
+        prompt = ({"prompt_token_ids": body.prompt} if isinstance(body.prompt, list)
+                  else {"prompt": body.prompt})
+        return cls(body, "completion", prompt)
+
+    def include_usage(self) -> bool:
+        options = self.body.stream_options
+        return bool(options and options.include_usage)
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """A dispatched request's way back: its replies, the shape they are written in, and the
+    headers that name the version and the request id on every response, errors included."""
+
+    handle: Handle
+    replies: AsyncIterator
+    shape: _Shape
+    headers: dict[str, str]
+
+
 @router.get("/models")
-async def list_models(request: Request, lease: Lease = Depends(admit)) -> dict:
+async def list_models(lease: Admitted, state: StateDep) -> dict:
     """Served names that have a live worker."""
-    live = await request.app.state.registry.live_names()
-    return {"object": "list", "data": [await _model_card(request, n, lease) for n in live]}
+    live = await state.registry.live_names()
+    return {"object": "list", "data": [await _model_card(state, n, lease) for n in live]}
 
 
 @router.get("/models/{model_id}")
-async def get_model(model_id: str, request: Request, lease: Lease = Depends(admit)) -> dict:
-    if model_id not in await request.app.state.registry.live_names():
+async def get_model(model_id: str, lease: Admitted, state: StateDep) -> dict:
+    if model_id not in await state.registry.live_names():
         raise NotFound(f"The model '{model_id}' does not exist", param="model")
-    return await _model_card(request, model_id, lease)
+    return await _model_card(state, model_id, lease)
 
 
 @router.post("/chat/completions", dependencies=[Depends(version_header)])
-async def chat_completions(body: ChatCompletionRequest, request: Request,
-                           lease: Lease = Depends(admit)):
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    return await _serve(request, lease, body, "chat", dict(messages=messages))
+async def chat_completions(body: ChatCompletionRequest, request: Request, lease: Admitted,
+                           state: StateDep):
+    return await _serve(request, state, lease, Call.chat(body))
 
 
 @router.post("/completions", dependencies=[Depends(version_header)])
-async def completions(body: CompletionRequest, request: Request, lease: Lease = Depends(admit)):
-    prompt = dict(prompt_token_ids=body.prompt) if isinstance(body.prompt, list) else dict(prompt=body.prompt)
-    return await _serve(request, lease, body, "completion", prompt)
+async def completions(body: CompletionRequest, request: Request, lease: Admitted, state: StateDep):
+    return await _serve(request, state, lease, Call.completion(body))
 
 
-async def _serve(request: Request, lease: Lease, body, kind: str, prompt: dict):
-    state = request.app.state
+async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call):
+    body = call.body
     check_model_allowed(lease.key, body.model)
     lease.key.check_priority(body.priority)
     check_output_limits(body.min_tokens, body.limit())
     outcome = await state.router.choose(body.model, lease.key, request.headers.get(VERSION_HEADER))
     version = outcome.version
     facts = await state.registry.facts(body.model, version)
-    check_token_ids(facts.vocab_size, prompt, body.stop_token_ids)
-    check_context(facts.max_model_len, body.limit(), prompt)
-    await _reserve_tokens(request, lease, body, prompt, facts.max_model_len)
-    entry = _entry(request, lease, body, kind, version, prompt)
+    check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids)
+    check_context(facts.max_model_len, body.limit(), call.prompt)
+    await _reserve_tokens(request, state, lease, call, facts.max_model_len)
+    entry = _entry(state, lease, body, call.kind, version, call.prompt)
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
                                            interactive=lease.lane == names.DEFAULT_LANE,
                                            schema=facts.schema)
-    lease.model, lease.version = body.model, version
-    lease.handle = handle
-    if lease.lane == names.DEFAULT_LANE:  # batch lines wait behind by design: no canary signal
-        lease.outcome = outcome
-    headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
-    shape = _Shape(kind, entry.request_id, body.model, body.n)
-    replies = observed(handle.replies(state.settings.keepalive_s), outcome)
+    lease.dispatched(body.model, handle, outcome)
+    answer = _Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
+                     _Shape(call.kind, entry.request_id, body.model, body.n),
+                     {VERSION_HEADER: version, "x-request-id": entry.request_id})
     if body.stream:
-        usage = bool(body.stream_options and body.stream_options.include_usage)
-        return await _stream(request, handle, replies, shape, lease, usage, headers)
+        return await _stream(request, lease, answer, state.settings.admission_wait_s,
+                             call.include_usage())
+    return await _whole(request, lease, answer)
+
+
+async def _whole(request: Request, lease: Lease, answer: _Answer) -> Response:
+    """`stream: false`: one JSON body once the request is done."""
     try:
-        result = await _unless_gone(request, _collect(replies, shape))
-    except KvgateError as exc:
-        raise _naming(exc, headers)
+        result = await _unless_gone(request, _collect(answer.replies, answer.shape))
+    except KvgateError as exc:  # an error the version answered with still names it (and the id)
+        raise exc.with_headers(answer.headers)
     finally:
-        handle.close("client_gone")
+        answer.handle.close("client_gone")
     if result is None:  # the client left: nobody to answer (the close above cancelled the request)
         return Response(status_code=499)
-    lease.usage = result["usage"]
-    return JSONResponse(result, headers=headers)
+    lease.finished(result["usage"])
+    return JSONResponse(result, headers=answer.headers)
 
 
-def _naming(exc: KvgateError, headers: dict) -> KvgateError:
-    """An error the version answered with still names the version (and the request id)."""
-    exc.headers = {**(getattr(exc, "headers", None) or {}), **headers}
-    return exc
-
-
-async def _stream(request: Request, handle: Handle, replies: AsyncIterator, shape: _Shape,
-                  lease: Lease, include_usage: bool, headers: dict) -> Response:
+async def _stream(request: Request, lease: Lease, answer: _Answer, wait_s: float,
+                  include_usage: bool) -> Response:
     """The 200 goes out once the worker admitted the request (its first reply) or after
-    KVGATE_ADMISSION_WAIT_S, whichever is first: a refusal before then is an HTTP error with its
-    status, even for `stream: true`; one after it is an SSE error event."""
-    ahead, gone, here = Lookahead(replies), asyncio.ensure_future(_disconnect(request)), False
+    KVGATE_ADMISSION_WAIT_S (`wait_s`), whichever is first: a refusal before then is an HTTP error
+    with its status, even for `stream: true`; one after it is an SSE error event."""
+    ahead, gone, here = Lookahead(answer.replies), asyncio.ensure_future(_disconnect(request)), False
     try:
-        here = await ahead.wait_first(request.app.state.settings.admission_wait_s, gone)
+        here = await ahead.wait_first(wait_s, gone)
     except KvgateError as exc:
-        raise _naming(exc, headers)
+        raise exc.with_headers(answer.headers)
     finally:
         gone.cancel()
         if not here:  # refused, or the client left: the close cancels what may still run
             ahead.cancel()
-            handle.close("not_started")
+            answer.handle.close("not_started")
     if not here:
         return Response(status_code=499)
-    gen = _sse(handle, ahead, shape, lease, include_usage)
+    gen = _sse(answer, ahead, lease, include_usage)
     # the close also runs if the client left before the generator ever started (its `finally`
     # would not): the request is cancelled and its reply queue released either way
-    return StreamingResponse(gen, media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
-                             background=BackgroundTask(handle.close, "client_disconnected"))
+    return StreamingResponse(gen, media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **answer.headers},
+                             background=BackgroundTask(answer.handle.close, "client_disconnected"))
 
 
 async def _disconnect(request: Request) -> None:
@@ -130,22 +164,24 @@ async def _disconnect(request: Request) -> None:
 
 
 @telemetry.traced("limits.tokens")
-async def _reserve_tokens(request: Request, lease: Lease, body, prompt: dict,
+async def _reserve_tokens(request: Request, state: GatewayState, lease: Lease, call: Call,
                           max_model_len: int | None) -> None:
     """Tokens per minute and per day: charge the estimate now; admission's teardown settles it."""
-    tokens = estimate.request_tokens(prompt, body.limit(), body.n, max_model_len,
-                                     request.app.state.settings.default_reserve_tokens)
-    lease.reservation, headers = await request.app.state.limits.reserve_tokens(lease.key, tokens)
+    body = call.body
+    tokens = estimate.request_tokens(call.prompt, body.limit(), body.n, max_model_len,
+                                     state.settings.default_reserve_tokens)
+    reservation, headers = await state.limits.reserve_tokens(lease.key, tokens)
+    lease.reserved(reservation)
     set_ratelimit_headers(request, headers)
 
 
-def _entry(request: Request, lease: Lease, body, kind: str, version: str,
+def _entry(state: GatewayState, lease: Lease, body, kind: str, version: str,
            prompt: dict) -> protocol.RequestEntry:
-    settings = request.app.state.settings
+    settings = state.settings
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     now = time.time()
     return protocol.RequestEntry(
-        request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=request.app.state.dispatcher.channel,
+        request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel,
         model=body.model, version=version, kind=kind, params=body.to_sampling_params(), created=now,
         deadline=now + settings.request_timeout_s, key_id=lease.key.id,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
@@ -265,9 +301,10 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(handle: Handle, replies: Lookahead, shape: _Shape, lease: Lease,
+async def _sse(answer: _Answer, replies: Lookahead, lease: Lease,
                include_usage: bool) -> AsyncIterator[bytes]:
     """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
+    shape = answer.shape
     try:
         if shape.kind == "chat":
             yield _event(shape.chunk(shape.role_choices()))
@@ -280,22 +317,21 @@ async def _sse(handle: Handle, replies: Lookahead, shape: _Shape, lease: Lease,
                         continue  # the admission verdict, or text the detokenizer holds back
                     yield _event(shape.chunk([shape.delta_choice(reply)]))
                 elif isinstance(reply, protocol.Done):
-                    lease.usage = _usage(reply)
+                    lease.finished(_usage(reply))
                     if include_usage:
                         yield _event(shape.chunk([], usage=lease.usage))
         except KvgateError as exc:
-            lease.error_status = exc.status
+            lease.failed(exc.status)
             yield _event(exc.to_openai())
         yield b"data: [DONE]\n\n"
     finally:
         replies.cancel()
-        handle.close("client_disconnected")
+        answer.handle.close("client_disconnected")
 
 
-async def _model_card(request: Request, name: str, lease: Lease) -> dict:
+async def _model_card(state: GatewayState, name: str, lease: Lease) -> dict:
     """`max_model_len` (vLLM's field): the smallest among the live workers of the version this key
     would be routed to now (None while none of them says)."""
-    state = request.app.state
     version = await state.router.version_for(name, lease.key)
     facts = await state.registry.facts(name, version)
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate",

@@ -8,8 +8,6 @@ killed canary stops getting traffic seconds after it died, not when its registry
 """
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -17,7 +15,6 @@ from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from fastapi import Header
-from redis.exceptions import ResponseError
 
 from gateway.keys import KeyRecord
 from gateway.registry import Registry
@@ -25,14 +22,10 @@ from shared import canary_stats, names, protocol
 from shared.canary import Route, RouteStore, assign
 from shared.errors import KvgateError, NotFound, Overloaded, PermissionDenied
 
-log = logging.getLogger("kvgate.gateway")
 VERSION_HEADER = "x-kvgate-version"
 ROUTE_CACHE_S = 0.5
 ROUTE_CACHE_SIZE = 1024  # names without a route cached per process: a flood of made-up names
 # evicts the oldest, never grows memory
-SWEEP_S = 1.0
-RESCUER = "kvgate-rescuer"  # consumer name the gateway reads stranded entries under
-RESCUE_BATCH = 100  # entries moved per stream per sweep
 
 
 def version_header(x_kvgate_version: str | None = Header(
@@ -88,23 +81,13 @@ async def observed(replies: AsyncIterator, outcome: Outcome) -> AsyncIterator:
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float,
-                 max_stream_depth: int = 1000):
+    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float):
         self.redis = redis
         self.registry = registry
         self.stale_s = stale_s
-        self.max_stream_depth = max_stream_depth
         self.store = RouteStore(redis)
         self._routes: dict[str, tuple[float, Route]] = {}  # aliases with a route (admin-made: few)
         self._routeless: OrderedDict[str, float] = OrderedDict()  # names without: bounded LRU
-        self._sweeper: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        self._sweeper = asyncio.create_task(self._sweep_forever())
-
-    async def stop(self) -> None:
-        if self._sweeper:
-            self._sweeper.cancel()
 
     async def route_of(self, alias: str) -> Route | None:
         now = time.monotonic()
@@ -123,6 +106,10 @@ class Router:
         while len(self._routeless) > ROUTE_CACHE_SIZE:
             self._routeless.popitem(last=False)
         return None
+
+    def cached_routes(self) -> list[Route]:
+        """The routes this process has served lately (what gateway/rescue.py sweeps)."""
+        return [route for _, route in list(self._routes.values())]
 
     async def live_workers(self, alias: str) -> list[dict]:
         fresh = time.time() - self.stale_s
@@ -179,82 +166,9 @@ class Router:
         await canary_stats.record(self.redis, outcome.alias, outcome.version, outcome.window_s,
                                   outcome.ok, outcome.ttft_ms(), outcome.tpot_ms())
 
-    # -- stranded entries ----------------------------------------------------------------------
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(SWEEP_S)
-            try:
-                await self.sweep()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # Redis away: try again next time
-                log.debug("canary sweep failed: %s", type(exc).__name__)
-
-    async def sweep(self) -> int:
-        """Requests queued for a route version whose workers all died (before any of them read
-        the entries) move to a version that is live, so no client waits on a stream nobody reads.
-        Entries a dead worker had already read are left for the crash-recovery path."""
-        moved = 0
-        for alias, (_, route) in list(self._routes.items()):
-            live = await self.live_versions(alias)
-            target = next((v for v in route.versions() if v in live), None)
-            for dead in (v for v in route.versions() if v not in live):
-                if target is not None:
-                    moved += await self._rescue(alias, dead, target)
-        return moved
-
-    async def _rescue(self, alias: str, dead: str, target: str) -> int:
-        """Moves at most RESCUE_BATCH entries, and only as many as the target stream has room for
-        under the depth limit, so a rescue never floods a live version. Entries this rescuer read
-        but never moved (its gateway died mid-way) are taken first. Each move is one transaction
-        (XADD to the target, XACK + XDEL from the source): an entry is never served twice."""
-        src, dst = names.request_stream(alias, dead), names.request_stream(alias, target)
-        room = min(RESCUE_BATCH, self.max_stream_depth - await self.redis.xlen(dst))
-        if room <= 0:
-            return 0
-        try:
-            entries = await self._read_stranded(src, room)
-        except ResponseError:  # no group: no worker of that version ever started
-            return 0
-        if not entries:
-            return 0
-        pipe = self.redis.pipeline(transaction=True)
-        for entry_id, fields in entries:
-            pipe.xadd(dst, {protocol.ENTRY_FIELD: _retarget(fields.get(protocol.ENTRY_FIELD, b""), target)})
-            pipe.xack(src, names.CONSUMER_GROUP, entry_id)
-            pipe.xdel(src, entry_id)
-        await pipe.execute()
-        await self.redis.hincrby(names.canary_counters(alias), "rescued", len(entries))
-        log.warning("moved %d queued request(s) of %s:%s (no live worker) to %s", len(entries),
-                    alias, dead, target)
-        return len(entries)
-
-    async def _read_stranded(self, src: str, count: int) -> list:
-        entries = []
-        for start in ("0", ">"):  # first what this rescuer holds from an earlier, interrupted sweep
-            reply = await self.redis.xreadgroup(names.CONSUMER_GROUP, RESCUER, {src: start},
-                                                count=count - len(entries))
-            read = reply[0][1] if reply else []
-            if gone := [i for i, f in read if not f]:  # deleted since it was read: nothing to move
-                await self.redis.xack(src, names.CONSUMER_GROUP, *gone)
-            entries += [(i, f) for i, f in read if f]
-            if len(entries) >= count:
-                break
-        return entries
-
 
 def _pick(route: Route, wanted: str, live: set[str]) -> str | None:
     """`wanted` if it has a live worker, else the first of the route's versions that has one."""
     if wanted in live:
         return wanted
     return next((v for v in route.versions() if v in live), None)
-
-
-def _retarget(raw: bytes, version: str) -> bytes:
-    """The entry, now for `version`, in the schema it was written in; one this gateway cannot read
-    moves as it is (the worker that gets it answers its client with an error)."""
-    try:
-        entry = protocol.decode_entry(raw)
-    except ValueError:
-        return raw
-    return protocol.encode(entry.model_copy(update={"version": version}))

@@ -17,6 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from shared.errors import InvalidRequest, PayloadTooLarge, QuotaExceeded, RequestTimeout
 from shared.files import FileStore, LineCheck, NewFile, StoredFile
 from shared.quota import Quota, QuotaLimits, upload_field
+from shared.settings import GatewaySettings
 
 ENVELOPE_BYTES = 64 << 10  # the most of a body that is not the file: framing and other fields
 FIELD_BYTES = 1024  # the most a form field other than the file (purpose, ...) may hold
@@ -179,11 +180,10 @@ class UploadHold:
         self.held = nbytes
 
 
-async def receive_upload(request: Request, store: FileStore, owner: str,
+async def receive_upload(request: Request, settings: GatewaySettings, store: FileStore, owner: str,
                          limits: QuotaLimits) -> StoredFile:
     """The uploaded file, stored and counted; on any failure nothing of it is left (partial bytes
     removed, quota hold released)."""
-    settings = request.app.state.settings
     new = store.begin(owner, "batch")
     hold = UploadHold(store.quota, owner, limits, settings.max_file_bytes,
                       settings.request_timeout_s + 60)

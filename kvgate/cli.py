@@ -148,12 +148,12 @@ def bench() -> None:
 @click.option("--out", default="bench-out/engine.json", show_default=True)
 def bench_engine(model: str | None, quick: bool, out: str) -> None:
     """W1 throughput, W2 prefix cache, W3 KV efficiency: kvgate vs transformers, one process."""
-    from worker.engine.bench import run_bench
+    from kvgate.bench.engine import run_bench
 
     run_bench(quick=quick, out_json=out, model_dir=model)
 
 
-from kvgate.bench_serve import serve_command  # noqa: E402  (client-side serving benchmark)
+from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving benchmark)
 
 bench.add_command(serve_command, "serve")
 
@@ -167,7 +167,7 @@ bench.add_command(serve_command, "serve")
 @click.option("--out", default="bench-out/sampler.json", show_default=True)
 def bench_sampler(reps: int, forward: bool, model_dir: str | None, out: str) -> None:
     """The sampler alone on vocab 151,936: the former full sort vs the shortlist."""
-    from worker.engine.bench_sampler import run
+    from kvgate.bench.sampler import run
 
     run(reps, forward, out, model_dir)
 

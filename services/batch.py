@@ -21,22 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
-import os
-import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import httpx
 import orjson
 import redis.asyncio as aioredis
 
+from services.batch_lines import Input, Line
+from services.batch_results import Entry, Progress, result, succeeded, tally, usage_of
 from shared import names
-from shared.batches import Batch, BatchStore, line_token
-from shared.files import BLANK, FileStore, NewFile
+from shared.batches import Acquired, Batch, BatchStore, line_token
+from shared.files import FileStore, NewFile
 from shared.settings import ServicesSettings
 
 log = logging.getLogger("kvgate.services.batch")
@@ -47,170 +44,15 @@ TRANSIENT = {502, 503, 504}  # answers worth retrying (429 too, by pausing the w
 YIELD_POLL_S = 0.05  # how often held-back senders look whether interactive traffic has stopped
 
 
-@dataclass
-class Line:
-    """One input line: where it is and what it asks for, or why it cannot be sent."""
-
-    number: int  # 1-based, in the input file
-    custom_id: str | None = None
-    model: str | None = None
-    span: tuple[int, int] | None = None  # (offset, length) in the input file, when it can be sent
-    error: tuple[str, str] | None = None  # (code, message)
-
-
-def parse_lines(data: bytes | str, endpoint: str) -> list[Line]:
-    """Every non-blank line, checked for what the gateway cannot check: the batch's envelope
-    (`custom_id` unique, `method` POST, `url` the batch's endpoint, `body` with a `model`, no
-    `stream`). The body's own fields are checked by the gateway when the line is sent. Lines end
-    at "\n" and blanks are ASCII whitespace, as the gateway counted them at upload."""
-    return list(_parse(io.BytesIO(data.encode() if isinstance(data, str) else data), endpoint))
-
-
-def _parse(f: BinaryIO, endpoint: str):
-    """The lines of a file, one at a time (a line that is not UTF-8 raises UnicodeDecodeError)."""
-    seen: set[str] = set()
-    offset = 0
-    for number, raw in enumerate(f, 1):
-        raw.decode("utf-8")
-        if raw.strip(BLANK):
-            yield _check(number, raw, offset, endpoint, seen)
-        offset += len(raw)
-
-
-def _check(number: int, raw: bytes, offset: int, endpoint: str, seen: set[str]) -> Line:
-    line = Line(number)
-    try:
-        obj = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        line.error = ("invalid_json", f"Line {number} is not valid JSON: {exc}")
-        return line
-    if not isinstance(obj, dict):
-        line.error = ("invalid_request", f"Line {number} is not a JSON object")
-        return line
-    cid = obj.get("custom_id")
-    line.custom_id = cid if isinstance(cid, str) and cid else None
-    body = obj.get("body")
-    why = None
-    if line.custom_id is None:
-        why = ("missing_custom_id", "custom_id must be a non-empty string")
-    elif cid in seen:
-        why = ("duplicate_custom_id", f"custom_id '{cid}' is used by an earlier line")
-    elif obj.get("method") != "POST":
-        why = ("invalid_method", f"method must be 'POST', not {obj.get('method')!r}")
-    elif obj.get("url") != endpoint:
-        why = ("mismatched_endpoint", f"url {obj.get('url')!r} is not the batch's endpoint '{endpoint}'")
-    elif not isinstance(body, dict):
-        why = ("invalid_body", "body must be a JSON object")
-    elif not isinstance(body.get("model"), str):
-        why = ("missing_model", "body.model must be a string")
-    elif body.get("stream"):
-        why = ("invalid_request", "stream is not supported in a batch")
-    if why is not None:
-        line.error = (why[0], f"Line {number}: {why[1]}")
-    else:
-        line.model, line.span = body["model"], (offset, len(raw))
-    if line.custom_id is not None:
-        seen.add(line.custom_id)
-    return line
-
-
-class Input:
-    """A batch's input file, held open while the batch runs (deleting the file meanwhile does not
-    pull it away). Its lines are checked in one pass that keeps only where each is; a line's body
-    is read back when it is sent, so the requests are never all in memory at once."""
-
-    def __init__(self, path: Path):
-        self.fd = os.open(path, os.O_RDONLY)
-
-    def lines(self, endpoint: str) -> list[Line]:
-        with open(self.fd, "rb", closefd=False) as f:
-            return list(_parse(f, endpoint))
-
-    def body(self, line: Line) -> dict:
-        offset, length = line.span
-        return orjson.loads(os.pread(self.fd, length, offset))["body"]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
-def result(line: Line, *, status: int | None = None, request_id: str | None = None,
-           body: dict | None = None, error: tuple[str, str] | None = None) -> dict:
-    """One line of the output or error file, in OpenAI's shape: an HTTP answer in `response`, a
-    failure that had none in `error`."""
-    response = None if status is None else {"status_code": status, "request_id": request_id,
-                                            "body": body}
-    return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": line.custom_id,
-            "response": response,
-            "error": None if error is None else {"code": error[0], "message": error[1]}}
-
-
-def succeeded(record: dict) -> bool:
-    return record["response"] is not None and record["response"]["status_code"] == 200
-
-
 class Stopped(Exception):
     """The batch left in_progress (cancelled) while a line was on its way."""
-
-
-@dataclass(frozen=True)
-class Entry:
-    """Where one line's result lies in the progress file, and what it counts for."""
-
-    offset: int
-    length: int
-    ok: bool
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-    @classmethod
-    def of(cls, record: dict, offset: int = 0, length: int = 0) -> "Entry":
-        usage = _usage(record) if succeeded(record) else {}
-        return cls(offset, length, succeeded(record), usage.get("prompt_tokens", 0),
-                   usage.get("completion_tokens", 0))
-
-
-class Progress:
-    """The results so far, one JSON line per input line, appended as they come."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def index(self) -> dict[int, Entry]:
-        """Line number -> its entry, read one record at a time."""
-        out: dict[int, Entry] = {}
-        if not self.path.exists():
-            return out
-        offset = 0
-        with open(self.path, "rb") as f:
-            for raw in f:
-                try:
-                    entry = orjson.loads(raw)
-                    out[entry["line"]] = Entry.of(entry["result"], offset, len(raw))
-                except orjson.JSONDecodeError:  # a line cut short by a crash
-                    pass
-                offset += len(raw)
-        if offset and not raw.endswith(b"\n"):  # the cut line must not swallow the next one
-            with open(self.path, "ab") as f:
-                f.write(b"\n")
-        return out
-
-    @staticmethod
-    def read(f: BinaryIO, entry: Entry) -> dict:
-        f.seek(entry.offset)
-        return orjson.loads(f.read(entry.length))["result"]
-
-    def append(self, number: int, record: dict) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab") as f:
-            f.write(orjson.dumps({"line": number, "result": record}) + b"\n")
 
 
 class Runner:
     def __init__(self, settings: ServicesSettings, redis: aioredis.Redis, batch_id: str):
         self.s = settings
         self.id = batch_id
-        retention_s = settings.file_retention_days * 86400
+        retention_s = settings.file_retention_s
         self.redis = redis
         self.store = BatchStore(redis, retention_s)
         self.files = FileStore(redis, settings.data_dir, retention_s)
@@ -224,8 +66,9 @@ class Runner:
     async def run(self) -> str:
         """What happened, in a few words (the Celery task's result, and its log line)."""
         held = await self.store.acquire(self.id, LEASE_S, self.s.batch_max_running)
-        if held != 1:
-            return "another runner has it" if held == 0 else "waiting: enough batches running"
+        if held is not Acquired.OURS:
+            return ("another runner has it" if held is Acquired.HELD_ELSEWHERE
+                    else "waiting: enough batches running")
         try:
             batch = await self.store.runnable(self.id)
             return "nothing to do" if batch is None else await self._run(batch)
@@ -252,7 +95,7 @@ class Runner:
             if not moved:  # cancelled while validating
                 return await self._finalize(batch, lines, "cancelled")
         done = self.progress.index()
-        await self.store.update(self.id, **_counts(done.values()))  # resumed: as far as it got
+        await self.store.update(self.id, **tally(done.values()))  # resumed: as far as it got
         for line in lines:
             if line.error is not None and line.number not in done:
                 await self._record(line, result(line, error=line.error))
@@ -394,7 +237,7 @@ class Runner:
 
     async def _record(self, line: Line, record: dict) -> None:
         self.progress.append(line.number, record)
-        usage = _usage(record)
+        usage = usage_of(record)
         if succeeded(record):
             await self.store.add(self.id, completed=1, prompt_tokens=usage.get("prompt_tokens", 0),
                                  completion_tokens=usage.get("completion_tokens", 0))
@@ -417,7 +260,7 @@ class Runner:
                      if ln.number not in done}
         written = await asyncio.to_thread(self._write_results, batch, done, unrun)
         output, errors = [await self._publish(new) for new in written]
-        counts = _counts([*done.values(), *map(Entry.of, unrun.values())])
+        counts = tally([*done.values(), *map(Entry.of, unrun.values())])
         await self.store.update(self.id, total=len(lines) or None, output_file_id=output,
                                 error_file_id=errors, **counts)
         sources = {"completed": ("finalizing",), "cancelled": ("cancelling", "validating"),
@@ -454,20 +297,6 @@ class Runner:
             new.discard()
             return None
         return (await self.files.commit(new)).id
-
-
-def _usage(record: dict) -> dict:
-    body = (record["response"] or {}).get("body")
-    return (body.get("usage") or {}) if isinstance(body, dict) else {}
-
-
-def _counts(entries) -> dict[str, int]:
-    """The batch's counters, from the entries of its results."""
-    entries = list(entries)
-    ok = [e for e in entries if e.ok]
-    return {"completed": len(ok), "failed": len(entries) - len(ok),
-            "prompt_tokens": sum(e.prompt_tokens for e in ok),
-            "completion_tokens": sum(e.completion_tokens for e in ok)}
 
 
 def _json(resp: httpx.Response):

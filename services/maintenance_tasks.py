@@ -35,7 +35,7 @@ def expire_files() -> int:
     s = app.kvgate_settings
 
     async def expire(redis) -> int:
-        files = FileStore(redis, s.data_dir, s.file_retention_days * 86400)
+        files = FileStore(redis, s.data_dir, s.file_retention_s)
         expired = await files.expire()
         await files.quota.prune()
         return expired

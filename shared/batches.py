@@ -17,6 +17,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from enum import IntEnum
 from typing import Literal
 
 import orjson
@@ -106,29 +107,38 @@ _STATIC = ("id", "endpoint", "input_file_id", "completion_window", "created_at",
 _TIMES = tuple(f"{s}_at" for s in ("in_progress", "finalizing", "completed", "failed", "expired",
                                    "cancelling", "cancelled"))
 
+STAYED, MOVED = 0, 1  # TRANSITION's first answer
 # KEYS: batch hash. ARGV: new status, now, then the statuses it may move from.
-# Returns {1, new} when moved, {0, current} when not (current is false for a missing batch).
+# Returns {MOVED, new}, or {STAYED, current} (current is false for a missing batch).
 TRANSITION = """
 local cur = redis.call('HGET', KEYS[1], 'status')
-if not cur then return {0, false} end
+if not cur then return {%(stayed)d, false} end
 for i = 3, #ARGV do
   if ARGV[i] == cur then
     redis.call('HSET', KEYS[1], 'status', ARGV[1], ARGV[1] .. '_at', ARGV[2])
-    return {1, ARGV[1]}
+    return {%(moved)d, ARGV[1]}
   end
 end
-return {0, cur}
-"""
+return {%(stayed)d, cur}
+""" % {"stayed": STAYED, "moved": MOVED}
+
+
+class Acquired(IntEnum):
+    """What ACQUIRE answers: whether a runner may run the batch."""
+
+    ALL_BUSY = -1  # enough batches are running
+    HELD_ELSEWHERE = 0  # another runner holds this batch
+    OURS = 1  # the lease is ours
+
 
 # KEYS: running zset. ARGV: batch id, now, lease expiry, most batches running at once.
-# 1: the lease is ours; 0: another runner holds this batch; -1: enough batches are running.
 ACQUIRE = """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[2])
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return -1 end
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return %(elsewhere)d end
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[4]) then return %(busy)d end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
-return 1
-"""
+return %(ours)d
+""" % {"busy": Acquired.ALL_BUSY, "elsewhere": Acquired.HELD_ELSEWHERE, "ours": Acquired.OURS}
 
 
 def new_batch_id() -> str:
@@ -209,7 +219,7 @@ class BatchStore:
         """Set the status to `to` if it is one of `sources`: (moved, the status now)."""
         moved, status = await self._transition(keys=[names.batch_record(batch_id)],
                                                args=[to, int(time.time()), *sources])
-        return bool(moved), status.decode() if isinstance(status, bytes) else status
+        return moved == MOVED, status.decode() if isinstance(status, bytes) else status
 
     async def status(self, batch_id: str) -> str | None:
         raw = await self.redis.hget(names.batch_record(batch_id), "status")
@@ -258,10 +268,10 @@ class BatchStore:
         return sorted(i.decode() for i in await self.redis.smembers(names.BATCHES_ACTIVE))
 
     # -- runner leases: one runner per batch, a bounded number of batches at once ----------
-    async def acquire(self, batch_id: str, lease_s: float, max_running: int) -> int:
+    async def acquire(self, batch_id: str, lease_s: float, max_running: int) -> Acquired:
         now = time.time()
-        return int(await self._acquire(keys=[names.BATCHES_RUNNING],
-                                       args=[batch_id, now, now + lease_s, max_running]))
+        return Acquired(await self._acquire(keys=[names.BATCHES_RUNNING],
+                                            args=[batch_id, now, now + lease_s, max_running]))
 
     async def renew(self, batch_id: str, lease_s: float) -> None:
         await self.redis.zadd(names.BATCHES_RUNNING, {batch_id: time.time() + lease_s}, xx=True)

@@ -32,14 +32,15 @@ MAX_COHORTS = 64
 Phase = Literal["canary", "rolled_back", "promoted"]
 BUILTIN_COHORTS = ("canary", "stable")  # a key's cohort may name a role instead of a version
 
+STALE, SWAPPED = 0, 1  # what CAS answers: someone wrote since the read, or the new JSON is stored
 # KEYS: route, alias index. ARGV: the JSON read before ('' if none), the new JSON, the alias.
 CAS = """
 local current = redis.call('GET', KEYS[1]) or ''
-if current ~= ARGV[1] then return 0 end
+if current ~= ARGV[1] then return %(stale)d end
 redis.call('SET', KEYS[1], ARGV[2])
 redis.call('SADD', KEYS[2], ARGV[3])
-return 1
-"""
+return %(swapped)d
+""" % {"stale": STALE, "swapped": SWAPPED}
 
 
 class Thresholds(BaseModel):
@@ -148,7 +149,7 @@ class RouteStore:
                 return current, False
             new = new.model_copy(update={"updated": time.time()})
             if await self._cas(keys=[names.canary_route(alias), names.CANARY_ROUTES],
-                               args=[raw or b"", new.model_dump_json(), alias]):
+                               args=[raw or b"", new.model_dump_json(), alias]) == SWAPPED:
                 return new, True
         raise RuntimeError(f"route of '{alias}' kept changing under {CAS_RETRIES} writes")
 

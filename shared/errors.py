@@ -3,20 +3,27 @@ from __future__ import annotations
 
 
 class KvgateError(Exception):
-    """An error a client should see: HTTP status, OpenAI error type and code, offending param."""
+    """An error a client should see: HTTP status, OpenAI error type and code, offending param, and
+    headers its response carries (a 429's x-ratelimit-*, the version that answered)."""
 
     status = 500
     type = "server_error"
     code: str | None = None
 
     def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
-                 retry_after: float | None = None):
+                 retry_after: float | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.message = message
         self.param = param
         if code is not None:
             self.code = code
         self.retry_after = retry_after
+        self.headers = dict(headers or {})
+
+    def with_headers(self, headers: dict[str, str]) -> "KvgateError":
+        """The same error, its response also carrying `headers` (added to those it has)."""
+        self.headers = {**self.headers, **headers}
+        return self
 
     def to_openai(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -22,7 +22,9 @@ from shared.errors import QuotaExceeded
 # KEYS: the key's hash. ARGV: now, field, value, then what the field needs of each kind (bytes,
 # files, batches) and each kind's limit (-1: none). The field is set (replacing what it held)
 # unless a kind it asks more of would pass its limit. Expired holds are dropped on the way.
-# Returns {0} when set, else {kind (1 bytes, 2 files, 3 batches), limit, used by the others}.
+# Returns {HELD} when set, else {kind refused (1 bytes, 2 files, 3 batches: 1 + its index in
+# KINDS), limit, used by the others}.
+HELD = 0
 HOLD = """
 local now = tonumber(ARGV[1])
 local used, old = {0, 0, 0}, {0, 0, 0}
@@ -49,7 +51,7 @@ for k = 1, 3 do
 end
 redis.call('HSET', KEYS[1], ARGV[2], ARGV[3])
 return {0}
-"""
+"""  # {0}: HELD (not formatted in: the script's patterns are full of %)
 
 # KEYS: the key's hash. ARGV: now. Drops the holds past their expiry; how many went.
 PRUNE = """
@@ -171,7 +173,7 @@ class Quota:
         args = limits.args() if limits is not None else [-1, -1, -1]
         refused = await self._hold(keys=[names.stored_by(owner)],
                                    args=[int(time.time()), field, value, *need, *args])
-        if refused[0]:
+        if refused[0] != HELD:
             kind, limit, used = (int(x) for x in refused)
             label, name, advice = KINDS[kind - 1]
             raise QuotaExceeded(f"Quota exceeded for key '{limits.who}' on {label} ({name}): "

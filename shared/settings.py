@@ -26,6 +26,10 @@ class FilesSettings(CommonSettings):
     file_retention_days: float = Field(30.0, gt=0, description="Files (and finished batches) are "
                                        "deleted this long after they were made")
 
+    @property
+    def file_retention_s(self) -> float:
+        return self.file_retention_days * 86400
+
 
 class GatewaySettings(FilesSettings):
     host: str = Field("127.0.0.1", description="Bind address (loopback by default)")

@@ -1,5 +1,6 @@
-"""Canary routing against a real Redis: two Router objects on two connections stand in for two
-gateway replicas; workers are registry entries written the way a worker's heartbeat writes them."""
+"""Canary routing (and the rescue of entries queued for a dead version, gateway/rescue.py) against
+a real Redis: two Router objects on two connections stand in for two gateway replicas; workers are
+registry entries written the way a worker's heartbeat writes them."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ import redis.asyncio as aioredis
 
 from gateway.keys import KeyRecord
 from gateway.registry import Registry
+from gateway.rescue import Rescuer
 from gateway.routing import Router
 from shared import canary, names, protocol
 from shared.errors import NotFound, Overloaded, PermissionDenied
@@ -154,9 +156,10 @@ async def _queued_for_dead_v2(a: Router, alias: str, schema: int = protocol.SCHE
 
 async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, alias):
     a, _ = replicas
+    rescuer = Rescuer(a.redis, a)
     dead = await _queued_for_dead_v2(a, alias)
     await a.route_of(alias)  # the sweep looks at routes this process has served
-    assert await a.sweep() == 3
+    assert await rescuer.sweep() == 3
     moved = await a.redis.xrange(names.request_stream(alias, "v1"))
     entries = [protocol.decode_entry(f[protocol.ENTRY_FIELD]) for _, f in moved]
     assert [(e.request_id, e.version) for e in entries] == [("r0", "v1"), ("r1", "v1"), ("r2", "v1")]
@@ -166,16 +169,16 @@ async def test_requests_queued_for_a_dead_version_move_to_a_live_one(replicas, a
 
 async def test_a_rescue_respects_the_target_depth_keeps_the_schema_and_resumes_its_own_reads(replicas, alias):
     a, _ = replicas
-    a.max_stream_depth = 2
+    rescuer = Rescuer(a.redis, a, max_stream_depth=2)
     dead = await _queued_for_dead_v2(a, alias, schema=1)
     # an earlier sweep of this gateway read one entry and died before moving it
     await a.redis.xreadgroup(names.CONSUMER_GROUP, "kvgate-rescuer", {dead: ">"}, count=1)
     await a.route_of(alias)
-    assert await a.sweep() == 2  # the live stream has room for two
+    assert await rescuer.sweep() == 2  # the live stream has room for two
     moved = await a.redis.xrange(names.request_stream(alias, "v1"))
     raws = [orjson.loads(f[protocol.ENTRY_FIELD]) for _, f in moved]
     assert [(r["request_id"], r["version"], r["v"]) for r in raws] == [("r0", "v1", 1), ("r1", "v1", 1)]
-    assert await a.sweep() == 0 and await a.redis.xlen(dead) == 1  # full: the last one waits
+    assert await rescuer.sweep() == 0 and await a.redis.xlen(dead) == 1  # full: the last one waits
 
 
 async def test_made_up_model_names_never_grow_the_route_cache(replicas):

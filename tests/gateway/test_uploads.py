@@ -47,7 +47,7 @@ def test_any_chunking_gives_the_same_file_and_count(tmp_path, chunk):
 
 
 def test_the_count_is_the_batch_runners(tmp_path):
-    from services.batch import parse_lines
+    from services.batch_lines import parse_lines
 
     text = JSONL.decode()
     assert len(parse_lines(text, "/v1/chat/completions")) == 4

@@ -11,8 +11,8 @@ import time
 import httpx
 import pytest
 
-from kvgate.bench_datasets import DatasetOptions, Vocabulary, load_tokenizer, make_requests, send_times
-from kvgate.bench_metrics import RequestResult, distribution, meets_slo, summarize, summarize_by_label
+from kvgate.bench.datasets import DatasetOptions, Vocabulary, load_tokenizer, make_requests, send_times
+from kvgate.bench.metrics import RequestResult, distribution, meets_slo, summarize, summarize_by_label
 from shared.redis_server import free_port
 from tests.conftest import start_stack, stop_stack  # plain helpers (python -m pytest puts . on the path)
 from worker.engine.types import SamplingParams
@@ -139,7 +139,7 @@ def test_synthetic_engine_resumes_after_the_tokens_already_sent(tiny_model_dir):
 @pytest.fixture(scope="module")
 def baseline(tiny_model_dir):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvgate.bench_baseline", "--model", str(tiny_model_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.bench.baseline", "--model", str(tiny_model_dir),
                              "--port", str(port)], env={**os.environ, "KVGATE_BASELINE_API_KEY": "sk-base"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -169,7 +169,7 @@ def test_baseline_serves_completions_behind_a_key(baseline):
 
 
 def test_run_against_the_baseline_is_exact(baseline, tiny_model_dir):
-    from kvgate.bench_serve import RunConfig, run_benchmark
+    from kvgate.bench.serve import RunConfig, run_benchmark
 
     cfg = RunConfig(url=baseline, model="x", api_key="sk-base", num_prompts=6, max_concurrency=2, progress=False)
     run = run_benchmark(cfg, DatasetOptions(input_len=20, output_len=5), str(tiny_model_dir))["runs"][0]
@@ -208,7 +208,7 @@ def test_bench_serve_through_a_synthetic_stack(tiny_model_dir, tmp_path):
 
 
 def test_targets_are_judged_both_ways():
-    from kvgate.bench_report import met
+    from kvgate.bench.report import met
 
     assert met("vs_naive_c64", 12.0) == "met" and met("vs_naive_c64", 3.0) == "**not met**"
     assert met("ttft_added_ms_p50", 4.0) == "met" and met("ttft_added_ms_p50", 6.0) == "**not met**"

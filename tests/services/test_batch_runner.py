@@ -12,7 +12,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from services import batch as runner_mod
-from services.batch import Runner, parse_lines
+from services.batch import Runner
+from services.batch_lines import parse_lines
+from services.batch_results import Progress, result
 from services.maintenance import tend_batches
 from shared import names
 from shared.batches import BatchStore, line_token, token_batch
@@ -188,7 +190,7 @@ async def test_a_runner_resumes_where_a_dead_one_stopped(env):
     batch, files = await _batch(client, settings, [line(f"r{i}") for i in range(6)])
     first = Runner(settings, client, batch.id)
     for parsed in parse_lines("\n".join(line(f"r{i}") for i in range(3)), ENDPOINT):
-        first.progress.append(parsed.number, runner_mod.result(parsed, status=200, body={"usage": {}}))
+        first.progress.append(parsed.number, result(parsed, status=200, body={"usage": {}}))
     await BatchStore(client).move(batch.id, "in_progress", "validating")
     sent = []
 
@@ -266,17 +268,17 @@ async def test_results_are_written_in_input_order_and_charged_to_the_owners_quot
 
 
 async def test_a_record_cut_short_by_a_crash_does_not_swallow_the_next(env, tmp_path):
-    progress = runner_mod.Progress(tmp_path / "p.jsonl")
+    progress = Progress(tmp_path / "p.jsonl")
     [first, second] = parse_lines(line("a") + "\n" + line("b"), ENDPOINT)
-    progress.append(first.number, runner_mod.result(first, status=200, body={}))
+    progress.append(first.number, result(first, status=200, body={}))
     with open(progress.path, "ab") as f:
         f.write(b'{"line": 2, "resu')  # the runner died mid-write
     assert set(progress.index()) == {1}
-    progress.append(second.number, runner_mod.result(second, status=200, body={}))
+    progress.append(second.number, result(second, status=200, body={}))
     index = progress.index()
     assert set(index) == {1, 2}
     with open(progress.path, "rb") as f:
-        assert runner_mod.Progress.read(f, index[2])["custom_id"] == "b"
+        assert Progress.read(f, index[2])["custom_id"] == "b"
 
 
 async def test_tend_sends_no_more_while_as_many_messages_wait(env):

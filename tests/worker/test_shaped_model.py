@@ -11,7 +11,7 @@ from shared.settings import WorkerSettings
 from worker.engine.tokenizer import load_tokenizer, render_chat
 from worker.engine.types import SamplingParams
 from worker.main import build_engine
-from worker.models.loader import read_model_config
+from worker.models.config import read_model_config
 
 BLOCK_BYTES = 16 * 2 * 28 * 8 * 128 * 4  # 16 tokens of K and V, 28 layers, 8 KV heads of 128, fp32
 

@@ -20,6 +20,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 
+from worker.engine.kv_budget import cdiv
 from worker.engine.sequence import Sequence
 
 
@@ -30,10 +31,6 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra_key: str | None
     if extra_key is not None:
         h.update(extra_key.encode())
     return h.digest()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class FreeQueue:

@@ -21,7 +21,7 @@ from worker.engine.sequence import Sequence
 from worker.engine.stopping import check_finish, release_text
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
-from worker.models.loader import read_model_config
+from worker.models.config import read_model_config
 
 
 class LLMEngine(ModelFacts):

@@ -52,7 +52,7 @@ class HFEngine(ModelFacts):
         from transformers import AutoModelForCausalLM
 
         from worker.engine.dtype import choose_dtype
-        from worker.models.loader import read_model_config
+        from worker.models.config import read_model_config
 
         cfg = read_model_config(model_dir)
         torch_dtype, _ = choose_dtype(dtype, torch.device(device), cfg.dtype, cfg.hidden_size,

@@ -163,6 +163,7 @@ NO_KV_FIELDS = dict.fromkeys(("kv_blocks", "kv_block_size", "kv_tokens", "kv_byt
 
 
 def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ in integers: blocks for tokens, programs for rows (the one copy; vLLM's cdiv)."""
     return -(-a // b)
 
 

@@ -17,7 +17,8 @@ from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
 from worker.engine.types import TokenLogprob
-from worker.models.loader import ModelConfig, load_model
+from worker.models.config import ModelConfig
+from worker.models.loader import load_model
 
 log = logging.getLogger("kvgate.worker")
 
@@ -79,7 +80,7 @@ class ModelRunner:
         if self.device.type != "cuda" and not config.pad_decode_eagerly:
             return None
         rows = min(config.max_cuda_graph_batch, config.max_num_seqs)
-        width = -(-self.max_model_len // self.block_size)
+        width = cdiv(self.max_model_len, self.block_size)
         buffers = {
             "input_ids": torch.zeros(rows, dtype=torch.int64, device=self.device),
             "positions": torch.zeros(rows, dtype=torch.int64, device=self.device),

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.engine.attention import AttentionMetadata
+from worker.engine.kv_budget import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class TorchAttention:
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         max_len = int(seq_lens.max())
-        ids = block_tables[:, :-(-max_len // block_size)].reshape(-1)
+        ids = block_tables[:, :cdiv(max_len, block_size)].reshape(-1)
         length = ids.numel() * block_size // batch
         k = self._gather("k", k_cache, ids).view(batch, length, kv_heads, dim).transpose(1, 2)
         v = self._gather("v", v_cache, ids).view(batch, length, kv_heads, dim).transpose(1, 2)
@@ -94,7 +95,7 @@ class TorchAttention:
         (3-D inputs, or enable_gqa with a mask, fall back to materialising every score)."""
         n, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
-        ids = block_table[:-(-seq_len // block_size)]
+        ids = block_table[:cdiv(seq_len, block_size)]
         k = k_cache.index_select(0, ids).view(-1, kv_heads, dim)[:seq_len].transpose(0, 1)
         v = v_cache.index_select(0, ids).view(-1, kv_heads, dim)[:seq_len].transpose(0, 1)
         if kv_heads != num_heads:

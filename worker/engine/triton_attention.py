@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from worker.engine.attention import AttentionMetadata
+from worker.engine.kv_budget import cdiv
 from worker.kernels import decode_attention, extend_attention, write_kv
 from worker.kernels.extend_attention import extend_block_q
 
@@ -15,8 +16,8 @@ MAX_EXTEND_TILE = 64  # extend's block_m: (token, head) rows per program
 def num_kv_splits(num_seqs: int, kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough (sequence, kv head, split) programs to fill every SM a few times over, rounded down to
     a power of two: each count is a kernel of its own, and five of them can all be built up front."""
-    want = -(-4 * num_sms // max(1, num_seqs * kv_heads))
-    by_length = -(-max_seq_len // MIN_SPLIT_TOKENS)
+    want = cdiv(4 * num_sms, max(1, num_seqs * kv_heads))
+    by_length = cdiv(max_seq_len, MIN_SPLIT_TOKENS)
     splits = max(1, min(MAX_KV_SPLITS, want, by_length))
     return 1 << (splits.bit_length() - 1)
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.attention import AttentionMetadata
-from worker.models.loader import ModelConfig
+from worker.models.config import ModelConfig
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from worker.engine.kv_budget import cdiv
+
 QWEN3_0_6B = dict(arch="qwen3", vocab_size=151_936, hidden_size=1024, num_layers=28, num_heads=16,
                   num_kv_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
                   max_position_embeddings=40_960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
@@ -120,7 +122,7 @@ def _write_shards(path: Path, shapes: dict[str, tuple[int, ...]], seed: int, num
 
     gen = torch.Generator().manual_seed(seed)
     sizes = {name: 2 * _numel(shape) for name, shape in shapes.items()}
-    per_shard = -(-sum(sizes.values()) // num_shards)
+    per_shard = cdiv(sum(sizes.values()), num_shards)
     groups: list[list[str]] = [[]]
     filled = 0
     for name in shapes:

@@ -8,7 +8,7 @@ import torch
 
 from worker.engine.llm import LLM
 from worker.engine.types import SamplingParams
-from worker.models.loader import read_model_config
+from worker.models.config import read_model_config
 
 torch.set_num_threads(1)
 LLAMA3 = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvgate.bench_datasets import DatasetOptions, Vocabulary, load_tokenizer, make_requests, send_times
-from kvgate.bench_metrics import distribution
-from kvgate.bench_procs import Processes, Server, ensure_litellm
-from kvgate.bench_serve import RunConfig, run_once
+from kvgate.bench.datasets import DatasetOptions, Vocabulary, load_tokenizer, make_requests, send_times
+from kvgate.bench.metrics import distribution
+from kvgate.bench.procs import Processes, Server, ensure_litellm
+from kvgate.bench.serve import RunConfig, run_once
 
 SERVED = "demo"
 
@@ -258,7 +258,7 @@ def inprocess_ttfts(model_dir: Path, prompts: list[str], max_tokens: int, thread
 
 
 def main(argv: list[str] | None = None) -> int:
-    from kvgate.bench_report import write_report
+    from kvgate.bench.report import write_report
     from kvgate.up import default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -27,7 +27,7 @@ import torch
 from worker.engine.engine import LLMEngine
 from worker.engine.kv_budget import cdiv
 from worker.engine.types import SamplingParams
-from worker.models.loader import read_model_config
+from worker.models.config import read_model_config
 
 MODEL = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
              intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048)

@@ -2,7 +2,7 @@
 around an in-process engine (the synthetic one by default). One process, no Redis, no limits, one
 bearer-key check; /v1/completions streamed and not. What a gateway adds is measured against this.
 
-    python -m kvgate.bench_baseline --model DIR --port 9000 --api-key sk-...
+    python -m kvgate.bench.baseline --model DIR --port 9000 --api-key sk-...
 """
 from __future__ import annotations
 

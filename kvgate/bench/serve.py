@@ -1,5 +1,5 @@
 """`kvgate bench serve`: load any OpenAI-compatible /v1/completions endpoint the way users do and
-measure TTFT, TPOT, ITL and E2EL on the client (definitions in kvgate/bench_metrics.py).
+measure TTFT, TPOT, ITL and E2EL on the client (definitions in kvgate/bench/metrics.py).
 
 Requests are text prompts with `ignore_eos` and `max_tokens`, so every answer is exactly as long as
 asked; they are sent at Poisson arrival times (`--request-rate`), or as fast as a cap on requests in
@@ -50,7 +50,7 @@ async def send_request(client, cfg: RunConfig, prompt: str, max_tokens: int):
     """One request, timed as vLLM's openai-completions client times it."""
     import orjson
 
-    from kvgate.bench_metrics import RequestResult
+    from kvgate.bench.metrics import RequestResult
 
     result = RequestResult()
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
@@ -110,7 +110,7 @@ async def run_once(cfg: RunConfig, requests, send_at: list[float]) -> dict:
     """Send every request at its time (bounded by max_concurrency) and summarize what came back."""
     import httpx
 
-    from kvgate.bench_metrics import summarize, summarize_by_label
+    from kvgate.bench.metrics import summarize, summarize_by_label
 
     limit = cfg.max_concurrency or 4096
     limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
@@ -177,7 +177,7 @@ class _progress:
 
 
 def build_workload(cfg: RunConfig, opts, tokenizer_dir: str | None):
-    from kvgate.bench_datasets import Vocabulary, load_tokenizer, make_requests, send_times
+    from kvgate.bench.datasets import Vocabulary, load_tokenizer, make_requests, send_times
 
     vocab = Vocabulary(load_tokenizer(tokenizer_dir))
     requests = make_requests(cfg.dataset, cfg.num_prompts, opts, vocab, cfg.seed)
@@ -262,7 +262,7 @@ def serve_command(url, model, api_key, tokenizer, dataset, num_prompts, request_
                   max_concurrency, sweep, slo_ttft_ms, slo_tpot_ms, slo_e2el_ms, no_stream, out, plots,
                   seed, no_progress, **dataset_opts) -> None:
     """Measure TTFT, TPOT, ITL, E2EL, throughput and goodput through a running server."""
-    from kvgate.bench_datasets import DatasetOptions
+    from kvgate.bench.datasets import DatasetOptions
 
     url = url or _from_state("gateway.url")
     if not url:
@@ -281,7 +281,7 @@ def serve_command(url, model, api_key, tokenizer, dataset, num_prompts, request_
         Path(out).write_text(json.dumps(report, indent=1) + "\n")
         click.echo(f"results: {out}")
     if plots:
-        from kvgate.bench_plots import plot_report
+        from kvgate.bench.plots import plot_report
 
         for path in plot_report(report, Path(plots)):
             click.echo(f"plot: {path}")

@@ -89,7 +89,7 @@ class Processes:
 
     def baseline(self, model_dir: Path) -> Server:
         port, key = free_port(), "sk-base-" + secrets.token_hex(8)
-        proc = self.spawn("baseline", [sys.executable, "-m", "kvgate.bench_baseline", "--model", str(model_dir),
+        proc = self.spawn("baseline", [sys.executable, "-m", "kvgate.bench.baseline", "--model", str(model_dir),
                                        "--port", str(port)], {"KVGATE_BASELINE_API_KEY": key})
         url = f"http://127.0.0.1:{port}"
         self.wait_http(proc, url + "/healthz", "baseline")

@@ -1,0 +1,77 @@
+"""What one gateway process holds for its requests: one typed object, built at start-up and reached
+by handlers through the aliases in gateway/deps.py (never through `app.state` by name)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError, TimeoutError
+
+from gateway.batch_queue import BatchQueue
+from gateway.dispatch import Dispatcher
+from gateway.keystore import KeyStore
+from gateway.limits import Limits
+from gateway.registry import Registry
+from gateway.rescue import Rescuer
+from gateway.routing import Router
+from gateway.throttle import Throttle
+from shared.batches import BatchStore
+from shared.files import FileStore
+from shared.settings import GatewaySettings
+from shared.usage import UsageBook
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    throttle: Throttle  # per-address, in this process's memory: made before the app (routes use it)
+    redis: aioredis.Redis
+    registry: Registry
+    router: Router
+    rescuer: Rescuer
+    keystore: KeyStore
+    limits: Limits
+    usage: UsageBook
+    files: FileStore
+    batches: BatchStore
+    batch_queue: BatchQueue
+    dispatcher: Dispatcher
+
+    @classmethod
+    def connect(cls, settings: GatewaySettings, throttle: Throttle) -> GatewayState:
+        """Everything on one Redis client; nothing runs until `start`."""
+        client = _redis(settings)
+        registry = Registry(client)
+        router = Router(client, registry, settings.worker_stale_s)
+        return cls(
+            settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
+            rescuer=Rescuer(client, router, settings.max_stream_depth),
+            keystore=KeyStore(client, settings.secret.get_secret_value()),
+            limits=Limits(client, settings),
+            usage=UsageBook(client, settings.usage_retention_days),
+            files=FileStore(client, settings.data_dir, settings.file_retention_s),
+            batches=BatchStore(client, settings.file_retention_s),
+            batch_queue=BatchQueue(settings.redis_url),
+            dispatcher=Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
+                                  settings.interactive_mark_ms, settings.max_entry_bytes))
+
+    async def start(self) -> None:
+        await self.dispatcher.start()  # subscribed before any request can be dispatched
+        await self.rescuer.start()
+
+    async def stop(self) -> None:
+        await self.rescuer.stop()
+        await self.dispatcher.stop()
+        await self.redis.aclose()
+
+
+def _redis(settings: GatewaySettings) -> aioredis.Redis:
+    # a blocking pool: a burst of requests waits for a connection instead of failing with 503
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=5,
+        socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
+    # a connection left stale by a Redis restart is retried on a fresh one, not surfaced
+    return aioredis.Redis(connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2), 2),
+                          retry_on_error=[ConnectionError, TimeoutError])
