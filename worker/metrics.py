@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from shared import logs, protocol, telemetry
 from worker.engine.types import RequestOutput
+from worker.outcomes import ANSWERED, POISONED, Outcomes
 
 log = logging.getLogger("kvgate.worker")
 LABELS = ("model", "version")
@@ -97,6 +98,29 @@ class StartupCollector:
         yield info
 
 
+class OutcomeCollector:
+    """How requests ended, read at scrape time from the one tally the registry entry reads too."""
+
+    def __init__(self, outcomes: Outcomes, labels: tuple[str, str]):
+        self.outcomes, self.labels = outcomes, list(labels)
+
+    def collect(self):
+        success = CounterMetricFamily("kvgate_request_success", "Requests finished, by finish reason",
+                                      labels=(*LABELS, "finished_reason"))
+        for reason, n in self.outcomes.by_reason().items():
+            success.add_metric([*self.labels, reason], n)
+        failed = CounterMetricFamily("kvgate_request_failures", "Requests answered with an error by "
+                                     "the worker, by error code", labels=(*LABELS, "code"))
+        codes = self.outcomes.by_code()
+        for code, n in codes.items():
+            failed.add_metric([*self.labels, code], n)
+        poisoned = CounterMetricFamily("kvgate_requests_poisoned", "Entries retired by the poison cap: "
+                                       "delivered KVGATE_MAX_DELIVERIES times without finishing",
+                                       labels=LABELS)
+        poisoned.add_metric(self.labels, codes[POISONED])
+        yield from (success, failed, poisoned)
+
+
 @dataclass
 class _Timing:
     """One admitted request as the worker saw it (Unix seconds)."""
@@ -130,20 +154,8 @@ class WorkerMetrics:
                                buckets=LATENCY_BUCKETS, registry=r)
         self.prompt_tokens = Counter("kvgate_prompt_tokens", "Prompt tokens prefilled", LABELS, registry=r)
         self.generation_tokens = Counter("kvgate_generation_tokens", "Tokens generated", LABELS, registry=r)
-        self.success = Counter("kvgate_request_success", "Requests finished, by finish reason",
-                               (*LABELS, "finished_reason"), registry=r)
-        self.failed = Counter("kvgate_request_failures", "Requests answered with an error by the "
-                              "worker, by error code", (*LABELS, "code"), registry=r)
-        self.poisoned = Counter("kvgate_requests_poisoned", "Entries retired by the poison cap: "
-                                "delivered KVGATE_MAX_DELIVERIES times without finishing", LABELS,
-                                registry=r)
-        self.poisoned.labels(*self.labels)
-        for reason in ("stop", "length", "abort"):  # known series exist from the start
-            self.success.labels(*self.labels, reason)
-        for code in ("timeout", "engine_error", "context_length_exceeded", "invalid_request",
-                     "engine_step_failed", "resume_failed", "request_failed_repeatedly",
-                     "unsupported_schema"):
-            self.failed.labels(*self.labels, code)
+        self.outcomes = Outcomes()
+        self.registry.register(OutcomeCollector(self.outcomes, self.labels))
         self.timings: dict[str, _Timing] = {}
         self.url: str | None = None
 
@@ -161,7 +173,9 @@ class WorkerMetrics:
         return self.url
 
     # -- what the service tells us ----------------------------------------------------------
-    def admitted(self, entry: protocol.RequestEntry, prompt_tokens: int) -> None:
+    def admitted(self, entry: protocol.RequestEntry, prompt_tokens: int, resumed: bool = False) -> None:
+        """`resumed`: taken over from a worker that stopped."""
+        self.outcomes.admitted(resumed)
         now = time.time()
         self.timings[entry.request_id] = _Timing(
             created=min(entry.created, now), admitted=now, parent=telemetry.extract(entry.trace),
@@ -186,11 +200,11 @@ class WorkerMetrics:
     def finished(self, request_id: str, reason: str | None = None) -> None:
         """The request is over (done, or aborted when `reason` says so)."""
         t = self.timings.pop(request_id, None)
+        reason = reason or (t and t.reason) or "stop"
+        self.outcomes.ended(reason)
         if t is None:
             return
         now = time.time()
-        reason = reason or t.reason or "stop"
-        self.success.labels(*self.labels, reason).inc()
         self.e2e.labels(*self.labels).observe(max(0.0, now - t.created))
         n = max(t.tokens.values(), default=0)
         if n >= 2:
@@ -203,13 +217,16 @@ class WorkerMetrics:
         with logs.request_context(request_id):
             log.info("request finished", extra=logs_fields)
 
-    def rejected(self, request_id: str, code: str, trace: dict[str, str] | None = None) -> None:
+    def cancelled_unstarted(self) -> None:
+        """An entry acknowledged unrun: its request was cancelled before a worker started it."""
+        self.outcomes.cancelled_unstarted()
+
+    def rejected(self, request_id: str, code: str, trace: dict[str, str] | None = None,
+                 when: str = ANSWERED) -> None:
         """Answered with an error, before running or instead of finishing (`trace`: the context its
-        entry carried, when the entry could be read)."""
+        entry carried, when the entry could be read; `when`: worker/outcomes.py's stages)."""
         t = self.timings.pop(request_id, None)
-        self.failed.labels(*self.labels, code).inc()
-        if code == "request_failed_repeatedly":
-            self.poisoned.labels(*self.labels).inc()
+        self.outcomes.errored(code, when)
         if telemetry.enabled():
             now = time.time()
             parent = t.parent if t is not None else telemetry.extract(trace or {})

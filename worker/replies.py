@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import redis
 
-from shared import names, protocol
+from shared import errors, names, protocol
 from shared.redis_errors import refusal
 from worker import checkpoint
 
@@ -27,6 +27,7 @@ log = logging.getLogger("kvgate.worker")
 
 
 TTL_REFRESH = 32  # replies between refreshes of a log's TTL (first at reply 1: the log is new)
+RETRYABLE = {errors.EngineStepFailed.code, errors.ResumeFailed.code}  # sent again, may succeed
 
 
 class Outbox:
@@ -49,6 +50,12 @@ class Outbox:
         self.ops += [("rpush", key, line) for line in self.logs.lines(msg, raw, version)]
         if msg.seq % TTL_REFRESH == 1:
             self.ops.append(("expire", key, checkpoint.TTL_S))
+
+    def error(self, channel: str, request_id: str, seq: int, version: int, code: str, message: str,
+              param: str | None = None) -> None:
+        """An error reply; the gateway may offer a retry when its code says sending again may work."""
+        self.reply(channel, protocol.ErrorReply(request_id=request_id, seq=seq, code=code, message=message,
+                                                param=param, retryable=code in RETRYABLE), version)
 
     def finish(self, entry_id: bytes, request_id: str, stream: str | None = None) -> None:
         """The request is over: the entry leaves the stream, its log stays briefly for gap repair."""

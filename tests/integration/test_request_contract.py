@@ -20,7 +20,7 @@ from shared import protocol
 from shared.sampling import SamplingParams
 from tests.integration.test_faults import HEADERS, Cluster, _wait
 from tests.integration.test_schema_skew import MODEL, ProtocolPeer
-from worker.service import to_sampling_params
+from worker.admission import to_sampling_params
 
 REST = 50  # what the worker passes as "the rest of the context" for a request without max_tokens
 NOT_SAMPLING = {"model", "stream", "stream_options", "user", "messages", "prompt", "echo"}  # routing,

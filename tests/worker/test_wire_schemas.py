@@ -61,15 +61,17 @@ def xadd(cluster: Cluster, raw: bytes) -> None:
     cluster.client.xadd(STREAM, {protocol.ENTRY_FIELD: raw})
 
 
-def orphan(cluster: Cluster, raw: bytes) -> None:
-    """Pending under a worker that is gone, idle long past the heartbeat TTL: the next claim takes it."""
+def orphan(cluster: Cluster, raw: bytes, delivered: int = 1) -> None:
+    """Pending under a worker that is gone, idle long past the heartbeat TTL: the next claim takes it.
+    `delivered`: how many times workers were handed it. Made while nothing else waits in the stream."""
     with cluster.client.pipeline(transaction=True) as tx:
         tx.xadd(STREAM, {protocol.ENTRY_FIELD: raw})
         tx.xreadgroup(names.CONSUMER_GROUP, "gone", {STREAM: ">"}, count=1)
         entry_id, read = tx.execute()
     assert read
-    cluster.client.xclaim(STREAM, names.CONSUMER_GROUP, "gone", min_idle_time=0,
-                          message_ids=[entry_id], idle=60_000, justid=True)
+    assert read[0][1][0][0] == entry_id, "another entry was waiting: it was read instead"
+    cluster.client.xclaim(STREAM, names.CONSUMER_GROUP, "gone", min_idle_time=0, message_ids=[entry_id],
+                          idle=60_000, retrycount=delivered, justid=True)
 
 
 def test_a_schema_1_entry_is_answered_in_schema_1(cluster):

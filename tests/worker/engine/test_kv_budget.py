@@ -13,7 +13,7 @@ from worker.engine.kv_budget import (GiB, MiB, CpuBudgetRule, KVCacheTooSmall, c
                                      fit_max_model_len)
 from worker.engine.types import EngineRejected
 from worker.main import build_engine
-from worker.service import to_sampling_params
+from worker.admission import to_sampling_params
 
 torch.set_num_threads(1)
 TOKEN_BYTES = 2 * 2 * 2 * 16 * 4  # the tiny model: K and V, 2 layers, 2 KV heads of 16, fp32

@@ -1,0 +1,186 @@
+"""Admission: one stream entry into the engine, or answered with an error; never dropped in silence,
+never left pending. It reads top to bottom, one function per hop: decode the entry → settle one
+that needs no run (cancelled before it started; finished by a worker that died after its last
+reply) → refuse it (the poison cap, an unresumable log, a passed deadline, an injected fault) or add
+it to the engine. A request that fails, fails alone: nothing the entry carries may raise out of
+here (an undecodable body, a schema version this worker does not read, an out-of-range number, a
+template that raises). A Redis error may: the entry then waits in the consumer's backlog.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import orjson
+import redis
+from pydantic import ValidationError
+
+from shared import errors, names, protocol
+from shared.settings import WorkerSettings
+from worker import checkpoint
+from worker.consumer import PendingEntry
+from worker.engine.types import EngineRejected, Resume, SamplingParams
+from worker.faults import Faults
+from worker.inflight import Active, InFlight
+from worker.metrics import WorkerMetrics
+from worker.outcomes import ANSWERED, REJECTED
+from worker.replies import Outbox
+
+log = logging.getLogger("kvgate.worker")
+
+
+def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) -> SamplingParams:
+    """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
+    return entry.sampling_params(max_tokens=max(1, default_max_tokens))
+
+
+class Admission:
+    def __init__(self, s: WorkerSettings, client: redis.Redis, engine, tokenizer, outbox: Outbox,
+                 metrics: WorkerMetrics, inflight: InFlight):
+        self.s, self.client, self.engine, self.tokenizer = s, client, engine, tokenizer
+        self.outbox, self.metrics, self.inflight = outbox, metrics, inflight
+        self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker)
+
+    def admit(self, p: PendingEntry) -> None:
+        entry = self._decode(p)
+        if entry is None or self._cancelled(p, entry):
+            return
+        rid = entry.request_id
+        ckpt = checkpoint.load(self.client, rid) if p.times_delivered else checkpoint.Checkpoint()
+        if ckpt.done:  # its worker died after the last reply: nothing left to do
+            self.outbox.finish(p.entry_id, rid, p.stream)
+            return
+        if refusal := self._refusal(entry, ckpt, p.times_delivered):
+            self._fail(p, entry, ckpt, *refusal)
+            return
+        self.faults.delay()
+        self._add(p, entry, ckpt)
+
+    def _decode(self, p: PendingEntry) -> protocol.RequestEntry | None:
+        """The entry, or None once an entry that does not decode is answered (when it names whom
+        to answer) and acknowledged."""
+        try:
+            return protocol.decode_entry(p.raw)
+        except Exception as exc:  # bad JSON, a schema version we do not read, invalid fields
+            problem = exc
+        to = protocol.addressee(p.raw)
+        if to is None or to[1] is None:
+            log.warning("dropping an entry that names no reply channel %s: %s", p.entry_id, _why(problem))
+            self.outbox.ack(p.entry_id, p.stream)
+            return None
+        rid, channel = to
+        version = _schema_of(p.raw)
+        if type(version) is int and protocol.OLDEST_SCHEMA <= version <= protocol.SCHEMA_VERSION:
+            code, message = "invalid_request", f"the worker could not read this request: {_why(problem)}"
+        else:  # answered in our own version: a newer gateway reads the version before the rest
+            code = errors.UnsupportedSchema.code
+            message = (f"the request is in schema version {version!r}; this worker reads versions "
+                       f"{protocol.OLDEST_SCHEMA}..{protocol.SCHEMA_VERSION}")
+            version = protocol.SCHEMA_VERSION
+        seq = checkpoint.load(self.client, rid).last_seq + 1 if p.times_delivered else 1
+        self.outbox.error(channel, rid, seq, version, code, message)
+        self.outbox.finish(p.entry_id, rid, p.stream)
+        self.metrics.rejected(rid, code)
+        return None
+
+    def _cancelled(self, p: PendingEntry, entry: protocol.RequestEntry) -> bool:
+        """Cancelled before any worker started it (the gateway's marker): acknowledged, never run."""
+        if not self.client.exists(names.cancelled_key(entry.request_id)):
+            return False
+        self.outbox.ack(p.entry_id, p.stream)
+        self.metrics.cancelled_unstarted()
+        return True
+
+    def _refusal(self, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
+                 delivered: int) -> tuple[str, str] | None:
+        """(code, message) when the entry must be answered instead of run."""
+        if delivered >= self.s.max_deliveries:
+            log.warning("request %s retired by the poison cap after %d deliveries", entry.request_id,
+                        delivered, extra={"request_id": entry.request_id})
+            return (errors.RequestFailedRepeatedly.code,
+                    f"this request was handed to workers {delivered} times and never finished (each "
+                    f"worker that took it stopped); it is not retried again (the cap is "
+                    f"KVGATE_MAX_DELIVERIES={self.s.max_deliveries})")
+        if not ckpt.resumable:
+            why = "its checkpoint log was truncated at its size cap" if ckpt.truncated else \
+                f"{ckpt.unreadable} lines of its checkpoint log are unreadable here"
+            return (errors.ResumeFailed.code, f"this request's worker stopped and it cannot be resumed "
+                    f"elsewhere: {why}; sending it again may succeed")
+        if time.time() > entry.deadline:
+            return "timeout", "request deadline passed before a worker started it"
+        if self.faults.should_fail():
+            return "engine_error", "injected fault (--fault-error-rate)"
+        return None
+
+    def _add(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint) -> None:
+        """Start it in the engine; an input the engine refuses, or a bug its content reached, ends
+        this request alone."""
+        rid = entry.request_id
+        try:
+            self._start(p, entry, ckpt)
+        except redis.RedisError:
+            raise
+        except EngineRejected as exc:
+            self._fail(p, entry, ckpt, exc.code, str(exc), exc.param, when=REJECTED)
+        except ValueError as exc:  # before any compute: the tokenizer or a check refused the input
+            self._fail(p, entry, ckpt, "invalid_request", str(exc), when=REJECTED)
+        except Exception as exc:
+            log.error("request %s failed at admission (%s)", rid, type(exc).__name__, exc_info=exc,
+                      extra={"request_id": rid})
+            if rid not in self.inflight:  # (a duplicate id would be the live request's)
+                self.engine.abort(rid)
+            self._fail(p, entry, ckpt, errors.EngineFailure.code,
+                       f"the worker failed to start this request ({type(exc).__name__})")
+
+    def _start(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint) -> None:
+        rid = entry.request_id
+        prompt_ids = self._prompt_ids(entry)
+        self.faults.crash_if_marked(entry.prompt, entry.messages)
+        params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
+        resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
+        self.engine.add_request(rid, prompt_ids, params, resume)
+        self.outbox.logs.start(rid, ckpt.size)
+        self.metrics.admitted(entry, len(prompt_ids), resumed=p.times_delivered > 0)
+        act = self.inflight.add(rid, Active(
+            p.entry_id, entry.reply_channel, entry.params.n, len(prompt_ids), seq=ckpt.last_seq,
+            finished=set(ckpt.finished), completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
+            stream=p.stream, version=entry.v, deadline=entry.deadline))
+        if p.times_delivered:
+            log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
+        if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
+            self.outbox.reply(entry.reply_channel, protocol.Delta(request_id=rid, seq=act.next_seq()),
+                              entry.v)
+
+    def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
+        from worker.engine.tokenizer import encode_prompt, render_chat
+
+        if entry.prompt_token_ids is not None:
+            return list(entry.prompt_token_ids)
+        if entry.kind == "chat":
+            return render_chat(self.tokenizer, entry.messages or [])
+        return encode_prompt(self.tokenizer, entry.prompt or "")
+
+    def _fail(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
+              code: str, message: str, param: str | None = None, when: str = ANSWERED) -> None:
+        """Answer an entry that never ran here with an error, and retire it."""
+        self.outbox.error(entry.reply_channel, entry.request_id, ckpt.last_seq + 1, entry.v, code,
+                          message, param)
+        self.outbox.finish(p.entry_id, entry.request_id, p.stream)
+        self.metrics.rejected(entry.request_id, code, entry.trace, when)
+
+
+def _schema_of(raw: bytes):
+    """The `v` an entry carries, whatever JSON value it is (None: none, or not JSON)."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data.get("v") if isinstance(data, dict) else None
+
+
+def _why(exc: Exception) -> str:
+    """A short reason: pydantic's own text spans many lines and repeats the input."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}"
+                         for e in exc.errors()[:3])
+    return str(exc)

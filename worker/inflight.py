@@ -1,0 +1,156 @@
+"""The requests in flight on this worker. Every engine output goes out as a reply to its request (a
+delta with the request's next sequence number, in its entry's schema), and each request ends here
+exactly once — done, failed, cancelled or timed out — with its entry acknowledged and its metrics
+closed. One output that raises ends its own request, never the loop.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import redis
+
+from shared import errors, protocol
+from worker.engine.types import RequestError, RequestOutput
+from worker.metrics import WorkerMetrics
+from worker.outcomes import FAILED
+from worker.replies import Outbox
+from worker.token_text import TokenText
+
+log = logging.getLogger("kvgate.worker")
+
+
+@dataclass
+class Active:
+    """What the worker remembers about one admitted request."""
+
+    entry_id: bytes
+    reply_channel: str
+    n: int
+    prompt_tokens: int = 0
+    seq: int = 0
+    completion_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    stream: str | None = None  # the stream the entry came from; None: the interactive lane
+    version: int = protocol.SCHEMA_VERSION  # the entry's schema: its replies are written in it
+    deadline: float = math.inf  # the entry's, in time.time(): enforced here while Redis refuses
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+
+class InFlight:
+    def __init__(self, engine, outbox: Outbox, metrics: WorkerMetrics, tokenizer):
+        self.engine, self.outbox, self.metrics, self.tokenizer = engine, outbox, metrics, tokenizer
+        self.requests: dict[str, Active] = {}
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def entry_ids(self) -> set[bytes]:
+        return {act.entry_id for act in self.requests.values()}
+
+    def add(self, request_id: str, act: Active) -> Active:
+        self.requests[request_id] = act
+        return act
+
+    def collect(self, outputs: list[RequestOutput]) -> None:
+        """Each output on its own: one that raises ends its request, never the loop."""
+        for out in outputs:
+            try:
+                self._collect_one(out)
+            except redis.RedisError:
+                raise
+            except Exception as exc:
+                log.error("request %s failed while its output was sent (%s)", out.request_id,
+                          type(exc).__name__, exc_info=exc, extra={"request_id": out.request_id})
+                self.fail(out.request_id, RequestError(
+                    errors.EngineFailure.code, f"the worker failed on this request's output "
+                    f"({type(exc).__name__}); it was ended alone"))
+
+    def _collect_one(self, out: RequestOutput) -> None:
+        act = self.requests.get(out.request_id)
+        if act is None:  # aborted meanwhile
+            return
+        if out.error is not None:
+            self.fail(out.request_id, out.error)
+            return
+        act.completion_tokens[out.index] = out.num_output_tokens
+        self.metrics.output(out)
+        self.outbox.reply(act.reply_channel, protocol.Delta(
+            request_id=out.request_id, seq=act.next_seq(), index=out.index, text=out.text,
+            token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+            finish_reason=out.finish_reason if out.finished else None), act.version)
+        if out.finished:
+            act.finished.add(out.index)
+            if len(act.finished) == act.n:
+                self._done(out.request_id)
+
+    @cached_property
+    def _token_text(self) -> TokenText:
+        return TokenText(self.tokenizer)
+
+    def _wire_logprobs(self, out: RequestOutput) -> list[dict] | None:
+        """Per token: its text, real bytes and logprob, and every top entry's, in rank order.
+        `top` stays [text, logprob] pairs, as a gateway of the previous release reads them."""
+        if not out.logprobs:
+            return None
+        of = self._token_text.of
+        return [{"token_id": lp.token_id, "token": of(lp.token_id)[0], "logprob": lp.logprob,
+                 "bytes": of(lp.token_id)[1], "top": [[of(t)[0], v] for t, v in lp.top],
+                 "top_ids": [t for t, _ in lp.top], "top_bytes": [of(t)[1] for t, _ in lp.top]}
+                for lp in out.logprobs]
+
+    def _done(self, request_id: str) -> None:
+        act = self.requests.pop(request_id)
+        self.outbox.reply(act.reply_channel, protocol.Done(
+            request_id=request_id, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
+            completion_tokens=sum(act.completion_tokens.values())), act.version)
+        self.outbox.finish(act.entry_id, request_id, act.stream)
+        self.metrics.finished(request_id)
+
+    def fail(self, request_id: str, error: RequestError) -> None:
+        """An admitted request failed: the engine lets it go, its client gets the error."""
+        act = self.requests.pop(request_id, None)
+        if act is None:
+            return
+        try:
+            self.engine.abort(request_id)  # its other choices, when the failure was not the engine's own
+        except Exception as exc:
+            log.error("abort of failed request %s raised (%s)", request_id, type(exc).__name__,
+                      exc_info=exc)
+        self.outbox.error(act.reply_channel, request_id, act.next_seq(), act.version, error.code,
+                          error.message)
+        self.outbox.finish(act.entry_id, request_id, act.stream)
+        self.metrics.rejected(request_id, error.code, when=FAILED)
+
+    def cancel(self, request_id: str) -> None:
+        """Aborted in the engine at once, so its blocks are free for the next step; no reply (the
+        client is gone)."""
+        act = self.requests.pop(request_id, None)
+        if act is None:
+            return
+        self.engine.abort(request_id)
+        self.outbox.finish(act.entry_id, request_id, act.stream)
+        self.metrics.finished(request_id, "abort")
+        log.info("aborted %s on cancel", request_id, extra={"request_id": request_id})
+
+    def expire(self) -> None:
+        """End the requests whose deadline passed; called while Redis refuses writes, when no step
+        runs (their answers queue behind the held replies)."""
+        now = time.time()
+        for rid in [rid for rid, act in self.requests.items() if now > act.deadline]:
+            act = self.requests.pop(rid)
+            self.engine.abort(rid)
+            self.outbox.error(act.reply_channel, rid, act.next_seq(), act.version, "timeout",
+                              "request deadline passed while Redis refused writes")
+            self.outbox.finish(act.entry_id, rid, act.stream)
+            self.metrics.finished(rid, "abort")
+            log.info("timed out %s while Redis refused writes", rid, extra={"request_id": rid})
