@@ -34,6 +34,8 @@ MESSAGES = 10_000
 LOGPROBS = 20
 USER_CHARS = 512
 PRIORITY = 100
+LOGIT_BIAS = 300  # token ids a request may bias, as OpenAI allows
+LOGIT_BIAS_VALUE = 100
 
 BOUNDS = (
     Bound("model", 1, MODEL_NAME_CHARS, "characters"),
@@ -56,6 +58,8 @@ BOUNDS = (
     Bound("messages", 1, MESSAGES, "messages; content is a string or a list of text parts"),
     Bound("logprobs (completions), top_logprobs (chat)", 0, LOGPROBS),
     Bound("user", 0, USER_CHARS, "characters"),
+    Bound("logit_bias", 0, LOGIT_BIAS, f"token ids, each in [0, the model's vocabulary size), each "
+          f"biased by -{LOGIT_BIAS_VALUE} to {LOGIT_BIAS_VALUE}"),
 )
 
 

@@ -10,8 +10,10 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 
 from gateway import bounds as b
 from shared import protocol
+from shared.sampling import StructuredOutputs
 
 TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
+Bias = Annotated[float, Field(ge=-b.LOGIT_BIAS_VALUE, le=b.LOGIT_BIAS_VALUE)]
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=b.STOP_CHARS)]
 
 
@@ -42,6 +44,8 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=b.STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
+    logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=b.LOGIT_BIAS)  # keys: "id" in JSON
+    structured_outputs: StructuredOutputs | None = None  # vLLM's spelling of a constraint
     priority: int = Field(0, ge=-b.PRIORITY, le=b.PRIORITY)
     user: str | None = Field(None, max_length=b.USER_CHARS)
 

@@ -54,7 +54,9 @@ class RequestEntry(BaseModel):
     version: str
     kind: Literal["chat", "completion"]
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] | None = None  # a message may carry tool_calls / tool_call_id
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools, given to the chat template
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}
     prompt_token_ids: list[int] | None = None
     params: WireParams = Field(default_factory=WireParams)
     created: float
@@ -81,6 +83,7 @@ class Delta(BaseModel):
     seq: int
     index: int = 0
     text: str = ""
+    reasoning: str | None = None  # thinking text (a reasoning model's), apart from the answer's text
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
@@ -137,7 +140,7 @@ def encode(msg: BaseModel, version: int | None = None) -> bytes:
         for name in ADDED.get(newer, {}).get(data["type"], ()):
             data.pop(name, None)
     data["v"] = version
-    return orjson.dumps(data)
+    return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)  # logit_bias is keyed by token id
 
 
 def peer_version(advertised: int | None) -> int:

@@ -17,6 +17,19 @@ OPTIONAL, ON_ENTRY = "optional", "on_entry"
 
 
 @dataclass
+class StructuredOutputs:
+    """What the output must match (vLLM's `structured_outputs`): exactly one of these is set. The
+    gateway fills it from `response_format`, `structured_outputs`, the `guided_*` spellings or a
+    tool_choice; the engine compiles it to a grammar and masks the logits with it."""
+
+    json: str | None = None  # a JSON schema, as JSON text (the compile cache keys on it)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # the whole output is one of these strings
+    grammar: str | None = None  # EBNF (xgrammar's dialect, GBNF-compatible)
+
+
+@dataclass
 class SamplingParams:
     max_tokens: int = field(default=16, metadata={OPTIONAL: "as many as the context leaves"})
     temperature: float = 1.0
@@ -34,6 +47,8 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     n: int = 1
+    structured_outputs: StructuredOutputs | None = None  # None: free text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     # lower value = more important (served first, preempted last)
     priority: int = field(default=0, metadata={ON_ENTRY: True})
     # isolates prefix-cache entries per tenant (set from the API key, not the request)

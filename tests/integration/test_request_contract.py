@@ -25,7 +25,10 @@ from worker.admission import to_sampling_params
 REST = 50  # what the worker passes as "the rest of the context" for a request without max_tokens
 NOT_SAMPLING = {"model", "stream", "stream_options", "user", "messages", "prompt", "echo"}  # routing,
 FROM_THE_KEY = {"cache_salt"}  # the engine field no request sets          # response shape, refused
-SAMPLES = {"stop": ("halt", ["halt"]), "stop_token_ids": ([7], [7])}  # (request value, engine value)
+SAMPLES = {"stop": ("halt", ["halt"]), "stop_token_ids": ([7], [7]),  # (request value, engine value)
+           "logit_bias": ({"7": -100}, {7: -100.0}),
+           "structured_outputs": ({"regex": "[ab]+"}, {"regex": "[ab]+", "json": None, "json_object": False,
+                                                       "choice": None, "grammar": None})}
 RESPELLED = {  # chat's OpenAI spellings: (what the body says, what the engine gets)
     "max_completion_tokens": ({"max_completion_tokens": 5}, {"max_tokens": 5}),
     "logprobs": ({"logprobs": True}, {"logprobs": 0}),
