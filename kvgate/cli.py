@@ -52,6 +52,10 @@ def demo_model(directory: str) -> None:
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]), default=None,
               help="auto: triton on CUDA, torch on CPU [default: auto]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
+@click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1"]), default=None,
+              help="How the model marks its thinking [default: from the chat template]")
+@click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
+              help="How the model writes tool calls [default: from the chat template]")
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,

@@ -119,6 +119,11 @@ class WorkerSettings(CommonSettings):
                                    "or triton")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "
                                 "are captured at start-up)")
+    reasoning_parser: str | None = Field(None, description="How the model marks its thinking "
+                                         "(qwen3, deepseek_r1; default: from the chat template): "
+                                         "thinking goes to reasoning_content")
+    tool_call_parser: str | None = Field(None, description="How the model writes tool calls (hermes, "
+                                         "llama3; default: from the chat template)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")
