@@ -38,9 +38,11 @@ def resolve_parsers(s: WorkerSettings, tokenizer) -> WorkerSettings:
     think = s.reasoning_parser or reasoning.detect(template)
     tools = s.tool_call_parser or tool_parsers.detect(template)
     if think is not None and think not in reasoning.PARSERS:
-        raise ValueError(f"unknown --reasoning-parser {think!r}; choose one of {', '.join(reasoning.PARSERS)}")
+        raise ValueError(f"unknown --reasoning-parser {think!r}; choose one of "
+                         f"{', '.join(reasoning.PARSERS)}")
     if tools is not None and tools not in tool_parsers.NAMES:
-        raise ValueError(f"unknown --tool-call-parser {tools!r}; choose one of {', '.join(tool_parsers.NAMES)}")
+        raise ValueError(f"unknown --tool-call-parser {tools!r}; choose one of "
+                         f"{', '.join(tool_parsers.NAMES)}")
     if think is not None and Markers.of(tokenizer, think) is None:
         words = reasoning.PARSERS[think]
         if s.reasoning_parser:
