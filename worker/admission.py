@@ -25,7 +25,7 @@ from worker.inflight import Active, InFlight
 from worker.metrics import WorkerMetrics
 from worker.outcomes import ANSWERED, REJECTED
 from worker.replies import Outbox
-from worker.thinking import Markers
+from worker.thinking import Markers, ThinkingSplit
 
 log = logging.getLogger("kvgate.worker")
 
@@ -165,7 +165,7 @@ class Admission:
         return encode_prompt(self.tokenizer, entry.prompt or "")
 
     def _splits(self, entry: protocol.RequestEntry, prompt_ids: list[int],
-                ckpt: checkpoint.Checkpoint) -> dict | None:
+                ckpt: checkpoint.Checkpoint) -> dict[int, ThinkingSplit] | None:
         """Each unfinished choice's thinking/answer split, from the prompt and the tokens it already
         sent; only chats have a place for reasoning (a completion's text stays whole)."""
         if self.markers is None or entry.kind != "chat":

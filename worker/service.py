@@ -60,7 +60,8 @@ class WorkerService:
         self.cancels.start()
         log.info("worker %s serving %s:%s on %s (reasoning parser %s, tool call parser %s)",
                  self.s.worker_id, self.s.served_name, self.s.version, self.consumer.stream,
-                 self.s.reasoning_parser, self.s.tool_call_parser)
+                 self.s.reasoning_parser, self.s.tool_call_parser,
+                 extra={"reasoning_parser": self.s.reasoning_parser, "tool_call_parser": self.s.tool_call_parser})
         try:
             while not self.stopping.is_set():
                 try:

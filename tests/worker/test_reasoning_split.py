@@ -78,6 +78,10 @@ def deltas(replies: list[dict]) -> list[dict]:
 def test_the_registry_carries_the_parsers_resolved_from_the_template(cluster):
     info = cluster.info("wt")
     assert (info["reasoning_parser"], info["tool_call_parser"]) == ("qwen3", "hermes")
+    lines = [orjson.loads(raw) for raw in (cluster.root / "wt.log").read_bytes().splitlines()
+             if raw.startswith(b"{") and b"serving demo:v1" in raw]
+    assert lines and "(reasoning parser qwen3, tool call parser hermes)" in lines[0]["msg"]
+    assert (lines[0]["reasoning_parser"], lines[0]["tool_call_parser"]) == ("qwen3", "hermes")
 
 
 def test_thinking_goes_to_reasoning_then_the_answer_to_text(cluster, thinking_model_dir):
