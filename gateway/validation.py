@@ -1,11 +1,12 @@
 """What a valid request may still not ask for: a model its key is not allowed, more tokens than the
-context, token ids outside the model's vocabulary. The model's numbers come from the facts its
+context, token ids outside the model's vocabulary, a feature the workers of its stream do not speak. The model's numbers come from the facts its
 workers register (gateway/registry.py); the worker checks them again, for entries that did not
 come through this code (an older gateway, a takeover)."""
 from __future__ import annotations
 
 from gateway.keys import KeyRecord
-from shared.errors import ContextLengthExceeded, InvalidRequest, PermissionDenied
+from shared import protocol
+from shared.errors import ContextLengthExceeded, InvalidRequest, Overloaded, PermissionDenied
 
 
 def check_model_allowed(key: KeyRecord, model: str) -> None:
@@ -19,11 +20,13 @@ def check_output_limits(min_tokens: int, limit: int | None) -> None:
                              param="min_tokens")
 
 
-def check_token_ids(vocab_size: int | None, prompt: dict, stop_token_ids: list[int]) -> None:
+def check_token_ids(vocab_size: int | None, prompt: dict, stop_token_ids: list[int],
+                    logit_bias: dict[int, float] | None = None) -> None:
     """400 naming the first id outside [0, vocab_size), before anything is queued."""
     if vocab_size is None:
         return
-    for param, ids in (("prompt", prompt.get("prompt_token_ids") or ()), ("stop_token_ids", stop_token_ids)):
+    for param, ids in (("prompt", prompt.get("prompt_token_ids") or ()), ("stop_token_ids", stop_token_ids),
+                       ("logit_bias", list(logit_bias or ()))):
         for position, token in enumerate(ids):
             if not 0 <= token < vocab_size:
                 raise InvalidRequest(
@@ -46,3 +49,15 @@ def check_context(max_model_len: int | None, max_tokens: int | None, prompt: dic
             f"This model's maximum context length is {max_model_len} tokens, but you requested "
             f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
             f"completion)", param="max_tokens")
+
+
+def check_peer_features(entry: protocol.RequestEntry, schema: int | None) -> None:
+    """503 while a worker of the stream reads an older schema that would drop a feature the request
+    uses without a word (a v2 worker knows no tools, constraints or logit_bias). Retryable: in a
+    rolling upgrade the old workers are leaving, and the request is fine as it is."""
+    missing = protocol.missing_features(entry, schema or 1)
+    if missing:
+        raise Overloaded(f"{', '.join(missing)}: not served by a worker of this model's previous "
+                         f"release (protocol schema {schema or 1}) still serving it; retry when the "
+                         f"upgrade is done", param=missing[0], code="upgrade_in_progress",
+                         retry_after=5)

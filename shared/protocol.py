@@ -18,8 +18,10 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 2
-OLDEST_SCHEMA = 1  # the previous release's version: still decoded, and written to peers that need it
+SCHEMA_VERSION = 3
+# still decoded, and written to peers that need it: the previous release's (2) and the one before
+# (1), which cost nothing to keep (later versions only add fields) and keep schema-1 peers served
+OLDEST_SCHEMA = 1
 ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encoded RequestEntry
 
 
@@ -123,7 +125,20 @@ _reply_adapter: TypeAdapter = TypeAdapter(Reply)
 
 
 # version -> message type -> the fields that version added (a peer of an older version never sees them)
-ADDED: dict[int, dict[str, frozenset[str]]] = {2: {"error": frozenset({"retryable"})}}
+ADDED: dict[int, dict[str, frozenset[str]]] = {
+    2: {"error": frozenset({"retryable"})},
+    3: {"request": frozenset({"tools", "chat_template_kwargs"}), "delta": frozenset({"reasoning"})},
+}
+# request features an older peer would drop without a word (the params' new fields travel inside
+# `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
+NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3}
+
+
+def missing_features(entry: RequestEntry, version: int) -> list[str]:
+    """The features `entry` uses that a peer speaking `version` would not honour."""
+    used = {"tools": entry.tools, "chat_template_kwargs": entry.chat_template_kwargs,
+            "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias}
+    return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 
 class ProtocolError(ValueError):
