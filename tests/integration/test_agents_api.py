@@ -205,3 +205,17 @@ def test_a_worker_of_the_previous_schema_gets_no_feature_it_would_drop(cluster, 
         assert resp.status_code == 503 and resp.headers["retry-after"], resp.text
         err = resp.json()["error"]
         assert err["code"] == "upgrade_in_progress" and err["param"] == param
+
+
+def test_the_openai_clients_parse_sends_a_schema_and_reads_the_object_back(cluster, peer, client):
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        name: str
+        population: int
+
+    peer.pieces = ['{"name": "Oslo", ', '"population": 717710}']
+    parsed = client.chat.completions.parse(model=MODEL, messages=USER, response_format=City)
+    assert parsed.choices[0].message.parsed == City(name="Oslo", population=717710)
+    schema = json.loads(peer.entries[-1]["params"]["structured_outputs"]["json"])
+    assert schema["required"] == ["name", "population"] and schema["additionalProperties"] is False
