@@ -26,7 +26,7 @@ from gateway.state import GatewayState
 from gateway.unsupported import check_supported
 from gateway.validation import (check_context, check_model_allowed, check_output_limits,
                                 check_peer_features, check_token_ids)
-from shared import logs, names, protocol, telemetry
+from shared import logs, names, protocol, telemetry, tool_parsers
 from shared.batches import BATCH_PRIORITY
 from shared.errors import KvgateError, NotFound
 
@@ -194,6 +194,7 @@ def _readers(call: Call, parser: str | None):
     body = call.body
     if call.kind != "chat":
         return lambda: tool_calls.reader(None, None, None)
+    parser = parser if parser in tool_parsers.PARSERS else None  # one a newer worker knows: none here
     tool_calls.check(body.tools, body.choice(), parser)
     return lambda: tool_calls.reader(body.tools, body.choice(), parser)
 
