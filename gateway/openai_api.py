@@ -112,7 +112,7 @@ async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call
     facts = await state.registry.facts(body.model, version)
     check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids, body.logit_bias)
     check_context(facts.max_model_len, body.limit(), call.prompt)
-    readers = _readers(call, facts.tool_call_parser)
+    outputs = _outputs(call, facts.tool_call_parser)
     if constraint is not None:
         await structured.check(constraint, state.settings.grammar_check_timeout_s)
     entry = _entry(state, lease, call, version)
@@ -124,7 +124,7 @@ async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call
                                            schema=facts.schema)
     lease.dispatched(body.model, handle, outcome)
     answer = _Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
-                     _Shape(call.kind, entry.request_id, body.model, body.n, readers),
+                     _Shape(call.kind, entry.request_id, body.model, body.n, outputs),
                      {VERSION_HEADER: version, "x-request-id": entry.request_id})
     if body.stream:
         return await _stream(request, lease, answer, state.settings.admission_wait_s,
@@ -189,14 +189,15 @@ async def _reserve_tokens(request: Request, state: GatewayState, lease: Lease, c
     set_ratelimit_headers(request, headers)
 
 
-def _readers(call: Call, parser: str | None):
+def _outputs(call: Call, parser: str | None):
     """Per choice, what turns its text into content and tool calls (400 for tools not served)."""
     body = call.body
     if call.kind != "chat":
-        return lambda: tool_calls.reader(None, None, None)
+        return lambda: tool_calls.ChoiceOutput(tool_calls.reader(None, None, None))
     parser = parser if parser in tool_parsers.PARSERS else None  # one a newer worker knows: none here
     tool_calls.check(body.tools, body.choice(), parser)
-    return lambda: tool_calls.reader(body.tools, body.choice(), parser)
+    return lambda: tool_calls.ChoiceOutput(tool_calls.reader(body.tools, body.choice(), parser),
+                                           body.parallel_tool_calls)
 
 
 def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> protocol.RequestEntry:
@@ -215,15 +216,15 @@ def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> proto
 class _Shape:
     """Builds OpenAI's response objects for one request (chat or text completion)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, n: int, readers):
+    def __init__(self, kind: str, request_id: str, model: str, n: int, outputs):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.created = int(time.time())
-        self.readers = readers  # () -> a new reader of one choice's text (content and tool calls)
+        self.new_output = outputs  # () -> how one choice's text becomes content and tool calls
         self.outputs: dict[int, tool_calls.ChoiceOutput] = {}
 
     def output(self, index: int) -> tool_calls.ChoiceOutput:
         if index not in self.outputs:
-            self.outputs[index] = tool_calls.ChoiceOutput(self.readers())
+            self.outputs[index] = self.new_output()
         return self.outputs[index]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:

@@ -198,13 +198,17 @@ def finish_reason(reason: str | None, calls_made: bool) -> str | None:
 
 class ChoiceOutput:
     """One choice's text on its way to the client: its reader, the ids of its calls, and whether it
-    made any (its finish_reason then says so)."""
+    made any (its finish_reason then says so). `parallel: false` keeps the first call of a model
+    that wrote several under `auto` (a forced one cannot: its grammar allows one)."""
 
-    def __init__(self, reader):
+    def __init__(self, reader, parallel: bool = True):
         self.reader, self.ids, self.calls_made = reader, CallIds(), False
+        self.parallel = parallel
 
     def _events(self, text: str, last: bool) -> list[tp.Event]:
         events = self.reader.feed(text) + (self.reader.finish() if last else [])
+        if not self.parallel:
+            events = [e for e in events if isinstance(e, tp.Content) or e.index == 0]
         self.calls_made |= any(isinstance(e, tp.CallStart) for e in events)
         return events
 

@@ -199,3 +199,11 @@ def test_tool_messages_round_trip_onto_the_entry():
     with pytest.raises(ValidationError):
         _chat(messages=[{"role": "user", "content": "x", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_output():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    one = tool_calls.ChoiceOutput(tp.make("hermes"), parallel=False).message(text)
+    both = tool_calls.ChoiceOutput(tp.make("hermes")).message(text)
+    assert [c["function"]["name"] for c in one["tool_calls"]] == ["a"]
+    assert [c["function"]["name"] for c in both["tool_calls"]] == ["a", "b"]
