@@ -37,6 +37,7 @@ PRIORITY = 100
 LOGIT_BIAS = 300  # token ids a request may bias, as OpenAI allows
 LOGIT_BIAS_VALUE = 100
 SCHEMA_CHARS = 1 << 15  # a JSON schema's text (response_format, structured_outputs, a tool's parameters)
+SCHEMA_DEPTH = 64  # JSON nesting of a schema: compile time grows steeply with it (depth 1000: 40 s)
 REGEX_CHARS = 4096
 GRAMMAR_CHARS = 1 << 15
 CHOICES = 256
@@ -73,8 +74,8 @@ BOUNDS = (
     Bound("logit_bias", 0, LOGIT_BIAS, f"token ids, each in [0, the model's vocabulary size), each "
           f"biased by -{LOGIT_BIAS_VALUE} to {LOGIT_BIAS_VALUE}"),
     Bound("response_format.json_schema.schema, structured_outputs.json, guided_json, "
-          "tools[].function.parameters", 0, SCHEMA_CHARS, "characters of JSON text; a valid JSON "
-          "schema that compiles (400 otherwise)"),
+          "tools[].function.parameters", 0, SCHEMA_CHARS, f"characters of JSON text, nested at most "
+          f"{SCHEMA_DEPTH} deep; a valid JSON schema that compiles (400 otherwise)"),
     Bound("structured_outputs.regex, guided_regex", 1, REGEX_CHARS, "characters; must compile (400)"),
     Bound("structured_outputs.grammar, guided_grammar", 1, GRAMMAR_CHARS, "characters of EBNF; must "
           "compile (400)"),

@@ -12,6 +12,7 @@ from typing import Any
 
 import orjson
 
+from gateway.bounds import SCHEMA_DEPTH
 from shared.errors import InvalidRequest
 from shared.sampling import StructuredOutputs
 
@@ -78,13 +79,28 @@ def one(constraints: list[Constraint]) -> Constraint | None:
     return constraints[0] if constraints else None
 
 
+def depth(value: Any) -> int:
+    """How deep JSON containers nest in `value` (iteratively: a deep one must not blow the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 def meta_check(schema: Any, param: str) -> None:
-    """400 unless `schema` is a valid JSON schema (checked against its own meta-schema)."""
+    """400 unless `schema` is a valid JSON schema (checked against its own meta-schema), nested
+    no deeper than SCHEMA_DEPTH."""
     import jsonschema  # imported on first use: most requests carry no schema
 
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"{param}: a JSON schema must be an object", param=param,
                              code="invalid_schema")
+    if depth(schema) > SCHEMA_DEPTH:
+        raise InvalidRequest(f"{param}: the schema nests deeper than {SCHEMA_DEPTH} levels",
+                             param=param, code="invalid_schema")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator
                                             ).check_schema(schema)
@@ -104,29 +120,32 @@ def _xgrammar():
     return xgrammar
 
 
-def _compile(so: StructuredOutputs) -> None:
+@functools.lru_cache(maxsize=256)  # agents send the same schema again and again; only a pass is kept
+def _checked(json_text: str | None, regex: str | None, grammar: str | None, param: str) -> None:
     xgr = _xgrammar()
-    if so.json is not None:
-        xgr.Grammar.from_json_schema(so.json)
-    elif so.regex is not None:
-        xgr.Grammar.from_regex(so.regex)
-    elif so.grammar is not None:
-        xgr.Grammar.from_ebnf(so.grammar)
+    if json_text is not None:
+        try:
+            schema = orjson.loads(json_text)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidRequest(f"{param}: the schema is not JSON: {exc}", param=param,
+                                 code="invalid_schema") from None
+        meta_check(schema, param)
+        xgr.Grammar.from_json_schema(json_text)
+    elif regex is not None:
+        xgr.Grammar.from_regex(regex)
+    elif grammar is not None:
+        xgr.Grammar.from_ebnf(grammar)
 
 
 async def check(constraint: Constraint, timeout_s: float) -> None:
     """400 naming the problem unless the constraint is valid and compiles within `timeout_s`."""
     so, param = constraint.outputs, constraint.param
-    if so.json is not None:
-        try:
-            schema = orjson.loads(so.json)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"{param}: the schema is not JSON: {exc}", param=param,
-                                 code="invalid_schema") from None
-        meta_check(schema, param)
+    if so.json is None and so.regex is None and so.grammar is None:
+        return  # json_object and choice: nothing a client could get wrong here
     await asyncio.to_thread(_xgrammar)
     try:
-        await asyncio.wait_for(asyncio.to_thread(_compile, so), timeout_s)
+        await asyncio.wait_for(asyncio.to_thread(_checked, so.json, so.regex, so.grammar, param),
+                               timeout_s)
     except asyncio.TimeoutError:
         raise InvalidRequest(f"{param} did not compile within {timeout_s:g} s; simplify it",
                              param=param, code="invalid_grammar") from None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import jsonschema
 import pytest
@@ -207,3 +208,15 @@ def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_output():
     both = tool_calls.ChoiceOutput(tp.make("hermes")).message(text)
     assert [c["function"]["name"] for c in one["tool_calls"]] == ["a"]
     assert [c["function"]["name"] for c in both["tool_calls"]] == ["a", "b"]
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled():
+    from gateway import bounds
+    deep = {"type": "integer"}
+    for _ in range(bounds.SCHEMA_DEPTH):
+        deep = {"type": "array", "items": deep}
+    started = time.monotonic()
+    err = _check({"guided_json": deep})
+    assert err.param == "guided_json" and "deeper than" in err.message
+    assert time.monotonic() - started < 5
+    assert structured.depth({"a": [1, {"b": {}}]}) == 4 and structured.depth(5) == 0
