@@ -7,6 +7,8 @@ Rolling upgrades: a process decodes its own schema version and the one before it
 older one to a peer that speaks only that (a worker answers in its entry's version; a gateway writes
 an entry in the oldest version among the workers of its stream, which they put in their registry
 entries). What each version added is listed in ADDED, so writing down drops exactly those fields.
+A feature an older peer would drop that way is not sent to it at all: the gateway refuses the
+request while such a peer serves its stream (NEEDS, `missing_features`).
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
 SCHEMA_VERSION = 3
-# still decoded, and written to peers that need it: the previous release's (2) and the one before
-# (1), which cost nothing to keep (later versions only add fields) and keep schema-1 peers served
+# still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
+# which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
 ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encoded RequestEntry
 
