@@ -52,12 +52,13 @@ def check_context(max_model_len: int | None, max_tokens: int | None, prompt: dic
 
 
 def check_peer_features(entry: protocol.RequestEntry, schema: int | None) -> None:
-    """503 while a worker of the stream reads an older schema that would drop a feature the request
-    uses without a word (a v2 worker knows no tools, constraints or logit_bias). Retryable: in a
-    rolling upgrade the old workers are leaving, and the request is fine as it is."""
-    missing = protocol.missing_features(entry, schema or 1)
-    if missing:
-        raise Overloaded(f"{', '.join(missing)}: not served by a worker of this model's previous "
-                         f"release (protocol schema {schema or 1}) still serving it; retry when the "
-                         f"upgrade is done", param=missing[0], code="upgrade_in_progress",
-                         retry_after=5)
+    """503 while the entry would be written in a schema that drops a feature the request uses (a
+    worker of the previous release still serves the stream, or no live worker has said which it
+    speaks): never a silent drop. Retryable: in a rolling upgrade the old workers are leaving."""
+    missing = protocol.missing_features(entry, protocol.peer_version(schema))
+    if not missing:
+        return
+    who = (f"a worker of this model's previous release (protocol schema {schema}) still serves it"
+           if schema is not None else "no live worker of this model version has said it serves them")
+    raise Overloaded(f"{', '.join(missing)}: {who}; retry shortly", param=missing[0],
+                     code="upgrade_in_progress", retry_after=5)
