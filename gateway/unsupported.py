@@ -2,8 +2,9 @@
 does not implement is refused with a 400 naming it, rather than dropped (an agent would get free
 text where it asked for something else). One list, a reason per field. A field the route declares
 is implemented, but for the values a rule's `when` picks; one it does not declare arrives as an
-extra, refused when it is present and not null (or when `when` picks its value). Fields that only label a request (user, metadata,
-store, service_tier, safety_identifier, prompt_cache_key) are not listed: they stay accepted."""
+extra, refused when it is present and not null (or when `when` picks its value). Fields that only
+label a request (user, metadata, store, service_tier, safety_identifier, prompt_cache_key) are not
+listed: they stay accepted."""
 from __future__ import annotations
 
 from collections.abc import Callable

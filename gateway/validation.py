@@ -1,7 +1,8 @@
 """What a valid request may still not ask for: a model its key is not allowed, more tokens than the
-context, token ids outside the model's vocabulary, a feature the workers of its stream do not speak. The model's numbers come from the facts its
-workers register (gateway/registry.py); the worker checks them again, for entries that did not
-come through this code (an older gateway, a takeover)."""
+context, token ids outside the model's vocabulary, a feature the workers of its stream do not
+speak. The model's numbers come from the facts its workers register (gateway/registry.py); the
+worker checks them again, for entries that did not come through this code (an older gateway, a
+takeover)."""
 from __future__ import annotations
 
 from gateway.keys import KeyRecord
