@@ -1,6 +1,6 @@
 """Reasoning parsers: the markers around a model's thinking (`--reasoning-parser`). The engine keeps a
 structured-output constraint off while a request is thinking; the worker sends thinking text as a
-delta's `reasoning`, apart from the answer's `text`. Both ask `thinking()` of the same tokens, so
+delta's `reasoning`, apart from the answer's `text`. Both follow `thinking()` of the same tokens, so
 they agree, and both can rebuild their state from the tokens alone (after preemption or takeover).
 """
 from __future__ import annotations
@@ -27,11 +27,17 @@ def detect(chat_template: str | None) -> str | None:
     return "qwen3" if chat_template and "<think>" in chat_template else None
 
 
-def thinking(token_ids: Sequence[int], start_id: int, end_id: int) -> bool:
-    """Inside a thinking block after these tokens (prompt then output): the latest marker is a start.
-    A template that opens <think> in the prompt starts the output thinking; one that closes it there
-    (thinking disabled), or a prompt without markers, starts it answering."""
-    for token in reversed(token_ids):
+def thinking(prompt_ids: Sequence[int], output_ids: Sequence[int], start_id: int, end_id: int) -> bool:
+    """Still thinking after `output_ids`: a reply thinks only when its prompt opened a thinking block
+    (the latest marker in the prompt is a start: the template wrote <think>), and only until the first
+    end marker it writes. A template that closes the block in the prompt (thinking disabled) or writes
+    no marker starts the reply answering; markers written later are text, so an answer, or a JSON
+    string the grammar allows, can hold "<think>" without turning the constraint off."""
+    return _opened(prompt_ids, start_id, end_id) and end_id not in output_ids
+
+
+def _opened(prompt_ids: Sequence[int], start_id: int, end_id: int) -> bool:
+    for token in reversed(prompt_ids):
         if token == end_id:
             return False
         if token == start_id:

@@ -37,12 +37,9 @@ class Markers:
         start_text, end_text = (tokenizer.decode([i], skip_special_tokens=True) for i in ids)
         return cls(ids[0], ids[1], start_text, end_text)
 
-    def thinking(self, token_ids: Sequence[int]) -> bool:
-        return reasoning.thinking(token_ids, self.start_id, self.end_id)
-
     def split(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> ThinkingSplit:
         """The split of a choice whose prompt is `prompt_ids`, having emitted `output_ids` already."""
-        return ThinkingSplit(self, self.thinking([*prompt_ids, *output_ids]))
+        return ThinkingSplit(self, reasoning.thinking(prompt_ids, output_ids, self.start_id, self.end_id))
 
 
 class ThinkingSplit:
@@ -50,15 +47,18 @@ class ThinkingSplit:
 
     def __init__(self, markers: Markers, thinking: bool):
         self.m, self.thinking = markers, thinking
-        self.due: list[int] = []  # marker tokens emitted whose text has not been released yet
+        self.tokens_thinking = thinking  # as of the last token given (the text may lag behind)
+        self.due: list[int] = []  # the end marker, emitted and its text not released yet
         self.held = ""  # released text that may be the start of the next due marker's text
 
     def add(self, token_ids: Sequence[int], text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, answer) of the text released with `token_ids`; `final`: the choice ended."""
-        self.due += [t for t in token_ids if t in (self.m.start_id, self.m.end_id)]
+        if self.tokens_thinking and self.m.end_id in token_ids:  # the one marker that switches
+            self.due.append(self.m.end_id)
+            self.tokens_thinking = False
         parts, text, self.held = ([], []), self.held + text, ""
         while self.due:
-            mark = self.m.start_text if self.due[0] == self.m.start_id else self.m.end_text
+            mark = self.m.end_text
             at = text.find(mark) if mark else 0  # a skipped marker: what came with it precedes it
             if at < 0:
                 keep = 0 if final else _partial(text, mark)
@@ -67,7 +67,8 @@ class ThinkingSplit:
                 return "".join(parts[True]), "".join(parts[False])
             parts[self.thinking].append(text[:at] if mark else text)
             text = text[at + len(mark):] if mark else ""
-            self.thinking = self.due.pop(0) == self.m.start_id
+            self.due.pop(0)
+            self.thinking = False
         parts[self.thinking].append(text)
         return "".join(parts[True]), "".join(parts[False])
 

@@ -19,7 +19,7 @@ def run(split: ThinkingSplit, outputs: list[tuple[list[int], str]]) -> list[tupl
 def test_the_demo_tokenizers_markers():
     markers = Markers.of(train_tokenizer(), "qwen3")
     assert markers == Markers(2044, 2045, "<think>", "</think>")
-    assert markers.thinking([1, 2044, 5]) and not markers.thinking([1, 2044, 5, 2045, 6])
+    assert markers.split([1, 2044], [5]).thinking and not markers.split([1, 2044], [5, 2045, 6]).thinking
 
 
 @pytest.mark.parametrize("markers", [KEPT, SKIPPED], ids=["kept", "skipped"])
@@ -42,10 +42,19 @@ def test_a_marker_whose_text_comes_in_pieces_is_held_until_whole():
     assert got == [("a", ""), ("b", ""), ("", "c"), ("", "d")]
 
 
-def test_without_a_start_in_the_prompt_it_answers_and_a_written_think_block_is_reasoning():
+def test_without_a_start_in_the_prompt_it_answers_and_markers_it_writes_are_text():
+    """A reply thinks only when its prompt opened the block, and only once: an answer (or a JSON
+    string the grammar allows) may hold the markers' text without switching."""
     split = KEPT.split([7, 8], [])
     got = run(split, [([1], "x"), ([START], "<think>"), ([2], "y"), ([END], "</think>"), ([3], "z")])
-    assert got == [("", "x"), ("", ""), ("y", ""), ("", ""), ("", "z")]
+    assert got == [("", "x"), ("", "<think>"), ("", "y"), ("", "</think>"), ("", "z")]
+
+
+def test_after_its_thinking_ends_a_reply_does_not_think_again():
+    split = KEPT.split([START], [])
+    got = run(split, [([1], "a"), ([END], "</think>"), ([START], "<think>"), ([2], "b")])
+    assert got == [("a", ""), ("", ""), ("", "<think>"), ("", "b")]
+    assert not KEPT.split([START], [1, END, START, 2]).thinking
 
 
 def test_the_state_is_rebuilt_from_the_tokens_already_sent():
