@@ -10,7 +10,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from shared import names, protocol, reasoning
+from shared import names, protocol
 from tests.conftest import TINY, wire_entry
 from tests.integration.test_faults import Cluster
 from tests.worker.test_wire_schemas import Channel, orphan, xadd
