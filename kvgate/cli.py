@@ -56,6 +56,10 @@ def demo_model(directory: str) -> None:
               help="How the model marks its thinking [default: from the chat template]")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
               help="How the model writes tool calls [default: from the chat template]")
+@click.option("--structured-compile-timeout-s", type=float, default=None,
+              help="A grammar not compiled by then fails its request [default: 10]")
+@click.option("--structured-max-spec-bytes", type=int, default=None,
+              help="Largest schema, regex, choice list or grammar compiled [default: 65536]")
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
