@@ -24,6 +24,9 @@ CODE = "invalid_structured_output"  # shared/errors.py maps it to a 400
 PARAM = "structured_outputs"
 CACHE_SIZE = 256  # compiled grammars kept; a JSON schema's is ~100 KB for a 32k vocabulary
 COMPILE_THREADS = 2
+# xgrammar 0.2.9 writes a string with maxLength/minLength as characters [^"\\\r\n]: raw control
+# characters (invalid JSON, refused by json.loads); its unbounded strings exclude \0-\x1f, as here
+LAX_STRING_CHAR, STRICT_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
 _XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[00:28:09] /project/cpp/x.cc:94: "
 
 
@@ -57,6 +60,15 @@ def check_spec(spec: StructuredOutputs, max_bytes: int) -> str:
         raise EngineRejected("structured_outputs choice must be a non-empty list of non-empty strings",
                              CODE, PARAM)
     return hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).hexdigest()
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """The schema's grammar with fixed separators (with any whitespace allowed, a model may pad a
+    structure until max_tokens: vLLM's disable_any_whitespace) and strict JSON string characters."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return ebnf.replace(LAX_STRING_CHAR, STRICT_STRING_CHAR)
 
 
 def compile_error(spec: StructuredOutputs, exc: BaseException) -> str:
@@ -97,11 +109,9 @@ class Grammars:
         kind, value = the_spec(spec)
         try:
             if kind == "json":
-                # fixed separators: with any whitespace allowed, a model may pad a structure until
-                # max_tokens (vLLM's disable_any_whitespace exists for this)
-                grammar = compiler.compile_json_schema(value, any_whitespace=False)
+                grammar = compiler.compile_grammar(json_schema_ebnf(value))
             elif kind == "json_object":
-                grammar = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                grammar = compiler.compile_grammar(json_schema_ebnf('{"type": "object"}'))
             elif kind == "regex":
                 grammar = compiler.compile_regex(value)
             elif kind == "choice":
