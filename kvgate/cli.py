@@ -161,6 +161,18 @@ def bench_engine(model: str | None, quick: bool, out: str) -> None:
     run_bench(quick=quick, out_json=out, model_dir=model)
 
 
+@bench.command("structured")
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Model folder to measure [default: a random ~58M Llama built for the run]")
+@click.option("--quick", is_flag=True, help="16 requests instead of 64 (smoke check)")
+@click.option("--out", default="bench-out/structured.json", show_default=True)
+def bench_structured(model: str | None, quick: bool, out: str) -> None:
+    """JSON-schema constrained requests vs the same free, tokens/s per output token; compile ms."""
+    from kvgate.bench.structured import run_bench
+
+    run_bench(quick=quick, out_json=out, model_dir=model)
+
+
 from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving benchmark)
 
 bench.add_command(serve_command, "serve")

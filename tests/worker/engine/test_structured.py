@@ -256,3 +256,14 @@ def test_the_gate_follows_the_shared_thinking_rule(engine):
     assert Constraint(grammar, [1, 1500, 1501, 3], markers).active  # and closed it (thinking off)
     opened = Constraint(grammar, [1, 1501, 1500], markers)
     assert not opened.active and opened.accept(7) and opened.accept(1501) and opened.active
+
+
+def test_abort_while_the_grammar_compiles(engine):
+    spec = StructuredOutputs(json=json.dumps({"type": "object", "required": ["abort_me"],
+                                              "properties": {"abort_me": {"type": "integer"}}}))
+    engine.add_request("a", PROMPT, SamplingParams(n=2, structured_outputs=spec))
+    assert engine.stats()["num_waiting"] == 2
+    engine.abort("a")
+    outs = engine.step()
+    assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort")]
+    assert not engine.has_unfinished() and engine.pool.num_free_blocks == engine.pool.num_blocks
