@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.constraint import Constraint
-from worker.engine.logit_rules import apply_grammar_masks, apply_logit_bias
+from worker.engine.logit_rules import GrammarMasks, apply_logit_bias
 from worker.engine.shortlist import shortlist, take_rows
 from worker.engine.types import SamplingParams, TokenLogprob
 
@@ -44,6 +44,7 @@ class Sampler:
     def __init__(self, eos_token_ids: Iterable[int]):
         self.eos_token_ids = sorted(set(eos_token_ids))
         self._shared: dict[torch.device, torch.Generator] = {}
+        self._grammar_masks = GrammarMasks()
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow]
@@ -53,7 +54,7 @@ class Sampler:
         logits = apply_penalties(logits, rows)
         logits = apply_logit_bias(logits, rows)
         logits = self._mask_early_stops(logits, rows)
-        logits = apply_grammar_masks(logits, rows)
+        logits = self._grammar_masks(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [r for r, row in enumerate(rows) if row.params.greedy]
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
