@@ -78,11 +78,11 @@ class LLMEngine(ModelFacts):
             for token in resume.output_ids.get(seq.index, []):  # one at a time, as first released
                 seq.append_token(token)
                 seq.detokenizer.add([token])
-        if grammar is None:
+        if grammar is not None and seqs:  # waits for its grammar outside the batch
+            self.compiling.add(request_id, grammar, seqs)
+        else:
             for seq in seqs:
                 self.scheduler.add(seq)
-        else:
-            self.compiling.add(request_id, grammar, seqs)
         self.requests[request_id] = seqs
 
     def abort(self, request_id: str) -> None:

@@ -139,6 +139,3 @@ class Grammars:
                                                   stop_token_ids=self._eos_token_ids)
         # our LRU bounds what is kept; xgrammar's own cache would grow without one
         return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)

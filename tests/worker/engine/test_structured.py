@@ -267,3 +267,8 @@ def test_abort_while_the_grammar_compiles(engine):
     outs = engine.step()
     assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort")]
     assert not engine.has_unfinished() and engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_a_resumed_request_whose_choices_all_ended_leaves_nothing_waiting(engine):
+    engine.add_request("done", PROMPT, json_params(SCHEMAS["person"], n=2), Resume(finished={0, 1}))
+    assert engine.step() == [] and not engine.has_unfinished()
