@@ -188,6 +188,7 @@ def test_a_bad_spec_fails_its_request_alone(engine, spec, words):
     (StructuredOutputs(choice=[]), "non-empty list"),
     (StructuredOutputs(regex="a", choice=["a"]), "exactly one"),
     (StructuredOutputs(json=json.dumps({"enum": ["x" * 70_000]})), "structured_max_spec_bytes"),
+    (StructuredOutputs(json='{"items": ' * 65 + '{}' + '}' * 65), "deeper than 64 levels"),
 ])
 def test_refused_at_add_request_without_a_trace(engine, spec, words):
     with pytest.raises(EngineRejected, match=words) as caught:
