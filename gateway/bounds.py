@@ -36,6 +36,19 @@ USER_CHARS = 512
 PRIORITY = 100
 LOGIT_BIAS = 300  # token ids a request may bias, as OpenAI allows
 LOGIT_BIAS_VALUE = 100
+SCHEMA_CHARS = 1 << 15  # a JSON schema's text (response_format, structured_outputs, a tool's parameters)
+SCHEMA_DEPTH = 64  # JSON nesting of a schema: compile time grows steeply with it (depth 1000: 40 s)
+REGEX_CHARS = 4096
+GRAMMAR_CHARS = 1 << 15
+CHOICES = 256
+CHOICE_CHARS = 1024
+TOOLS = 128  # as OpenAI allows
+TOOL_NAME_CHARS = 64  # as OpenAI allows: letters, digits, _ and -
+DESCRIPTION_CHARS = 4096
+TOOL_CALLS = 128  # calls one assistant message may carry
+TOOL_CALL_ID_CHARS = 256
+TEMPLATE_KWARGS = 32
+TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs as JSON text
 
 BOUNDS = (
     Bound("model", 1, MODEL_NAME_CHARS, "characters"),
@@ -60,6 +73,23 @@ BOUNDS = (
     Bound("user", 0, USER_CHARS, "characters"),
     Bound("logit_bias", 0, LOGIT_BIAS, f"token ids, each in [0, the model's vocabulary size), each "
           f"biased by -{LOGIT_BIAS_VALUE} to {LOGIT_BIAS_VALUE}"),
+    Bound("response_format.json_schema.schema, structured_outputs.json, guided_json, "
+          "tools[].function.parameters", 0, SCHEMA_CHARS, f"characters of JSON text, nested at most "
+          f"{SCHEMA_DEPTH} deep; a valid JSON schema that compiles (400 otherwise)"),
+    Bound("structured_outputs.regex, guided_regex", 1, REGEX_CHARS, "characters; must compile (400)"),
+    Bound("structured_outputs.grammar, guided_grammar", 1, GRAMMAR_CHARS, "characters of EBNF; must "
+          "compile (400)"),
+    Bound("structured_outputs.choice, guided_choice", 1, CHOICES, f"strings, each 1 to {CHOICE_CHARS} "
+          "characters"),
+    Bound("tools", 0, TOOLS, f"function tools; names 1 to {TOOL_NAME_CHARS} of a-z A-Z 0-9 _ -, "
+          "distinct"),
+    Bound("tools[].function.description, response_format.json_schema.description", 0,
+          DESCRIPTION_CHARS, "characters"),
+    Bound("messages[].tool_calls", 0, TOOL_CALLS, f"calls; ids and tool_call_id up to "
+          f"{TOOL_CALL_ID_CHARS} characters"),
+    Bound("chat_template_kwargs", 0, TEMPLATE_KWARGS, f"keys, at most {TEMPLATE_KWARGS_CHARS} "
+          "characters as JSON; the template's own arguments (messages, tools, "
+          "add_generation_prompt, tokenize, …) are refused"),
 )
 
 

@@ -1,8 +1,10 @@
 """The OpenAI-compatible routes. One function per hop: admit (key, rpm, slot; a dependency) →
-check the key may use the model → route → check the context → reserve tokens → dispatch → respond."""
+refuse what kvgate would ignore → check the key may use the model → route → check the context,
+tools and constraint → reserve tokens → dispatch → respond."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -14,15 +16,17 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway import estimate
+from gateway import estimate, structured, tool_calls
 from gateway.admission import Admitted, Lease, admit, set_ratelimit_headers
 from gateway.deps import StateDep
 from gateway.dispatch import KEEPALIVE, Handle, Lookahead
 from gateway.routing import VERSION_HEADER, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
-from gateway.validation import check_context, check_model_allowed, check_output_limits, check_token_ids
-from shared import logs, names, protocol, telemetry
+from gateway.unsupported import check_supported
+from gateway.validation import (check_context, check_model_allowed, check_output_limits,
+                                check_peer_features, check_token_ids)
+from shared import logs, names, protocol, telemetry, tool_parsers
 from shared.batches import BATCH_PRIORITY
 from shared.errors import KvgateError, NotFound
 
@@ -34,16 +38,20 @@ DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its clie
 @dataclass(frozen=True)
 class Call:
     """What `_serve` needs of one API's request: the validated body, which API it came by, the
-    prompt as the entry carries it (messages, prompt or prompt_token_ids)."""
+    prompt as the entry carries it (messages, prompt or prompt_token_ids), and what the chat
+    template is rendered with besides (tools, chat_template_kwargs)."""
 
     body: ChatCompletionRequest | CompletionRequest
     kind: Literal["chat", "completion"]
     prompt: dict[str, Any]
+    template: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def chat(cls, body: ChatCompletionRequest) -> Call:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return cls(body, "chat", {"messages": messages})
+        messages = [m.entry() for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+        return cls(body, "chat", {"messages": messages},
+                   {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs})
 
     @classmethod
     def completion(cls, body: CompletionRequest) -> Call:
@@ -94,23 +102,29 @@ async def completions(body: CompletionRequest, request: Request, lease: Admitted
 
 async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call):
     body = call.body
+    check_supported(body)
+    constraint = body.constraint()
     check_model_allowed(lease.key, body.model)
     lease.key.check_priority(body.priority)
     check_output_limits(body.min_tokens, body.limit())
     outcome = await state.router.choose(body.model, lease.key, request.headers.get(VERSION_HEADER))
     version = outcome.version
     facts = await state.registry.facts(body.model, version)
-    check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids)
+    check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids, body.logit_bias)
     check_context(facts.max_model_len, body.limit(), call.prompt)
+    outputs = _outputs(call, facts.tool_call_parser)
+    if constraint is not None:
+        await structured.check(constraint, state.settings.grammar_check_timeout_s)
+    entry = _entry(state, lease, call, version)
+    check_peer_features(entry, facts.schema)
     await _reserve_tokens(request, state, lease, call, facts.max_model_len)
-    entry = _entry(state, lease, body, call.kind, version, call.prompt)
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
                                            interactive=lease.lane == names.DEFAULT_LANE,
                                            schema=facts.schema)
     lease.dispatched(body.model, handle, outcome)
     answer = _Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
-                     _Shape(call.kind, entry.request_id, body.model, body.n),
+                     _Shape(call.kind, entry.request_id, body.model, body.n, outputs),
                      {VERSION_HEADER: version, "x-request-id": entry.request_id})
     if body.stream:
         return await _stream(request, lease, answer, state.settings.admission_wait_s,
@@ -175,26 +189,43 @@ async def _reserve_tokens(request: Request, state: GatewayState, lease: Lease, c
     set_ratelimit_headers(request, headers)
 
 
-def _entry(state: GatewayState, lease: Lease, body, kind: str, version: str,
-           prompt: dict) -> protocol.RequestEntry:
-    settings = state.settings
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+def _outputs(call: Call, parser: str | None):
+    """Per choice, what turns its text into content and tool calls (400 for tools not served)."""
+    body = call.body
+    if call.kind != "chat":
+        return lambda: tool_calls.ChoiceOutput(tool_calls.reader(None, None, None))
+    parser = parser if parser in tool_parsers.PARSERS else None  # one a newer worker knows: none here
+    tool_calls.check(body.tools, body.choice(), parser)
+    return lambda: tool_calls.ChoiceOutput(tool_calls.reader(body.tools, body.choice(), parser),
+                                           body.parallel_tool_calls)
+
+
+def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> protocol.RequestEntry:
+    settings, body = state.settings, call.body
+    prefix = "chatcmpl" if call.kind == "chat" else "cmpl"
     now = time.time()
     return protocol.RequestEntry(
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel,
-        model=body.model, version=version, kind=kind, params=body.to_sampling_params(), created=now,
-        deadline=now + settings.request_timeout_s, key_id=lease.key.id,
+        model=body.model, version=version, kind=call.kind, params=body.to_sampling_params(),
+        created=now, deadline=now + settings.request_timeout_s, key_id=lease.key.id,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.cache_salt(), trace=telemetry.inject(),
-        **prompt)
+        **call.prompt, **call.template)
 
 
 class _Shape:
     """Builds OpenAI's response objects for one request (chat or text completion)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, n: int):
+    def __init__(self, kind: str, request_id: str, model: str, n: int, outputs):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.created = int(time.time())
+        self.new_output = outputs  # () -> how one choice's text becomes content and tool calls
+        self.outputs: dict[int, tool_calls.ChoiceOutput] = {}
+
+    def output(self, index: int) -> tool_calls.ChoiceOutput:
+        if index not in self.outputs:
+            self.outputs[index] = self.new_output()
+        return self.outputs[index]
 
     def chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
@@ -204,10 +235,18 @@ class _Shape:
             out["usage"] = usage
         return out
 
-    def delta_choice(self, d: protocol.Delta) -> dict:
+    def delta_choice(self, d: protocol.Delta) -> dict | None:
+        """The chunk's choice for this delta; None when it has nothing to say yet (text a tool-call
+        parser holds back until it knows whether it is a call)."""
         if self.kind == "chat":
-            return {"index": d.index, "delta": {"content": d.text} if d.text else {},
-                    "logprobs": _chat_logprobs(d.logprobs), "finish_reason": d.finish_reason}
+            out = self.output(d.index)
+            delta = out.delta(d.text, d.finish_reason is not None)
+            if d.reasoning:
+                delta["reasoning_content"] = d.reasoning
+            if not (delta or d.finish_reason or d.logprobs):
+                return None
+            return {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs),
+                    "finish_reason": out.finish_reason(d.finish_reason)}
         return {"index": d.index, "text": d.text, "logprobs": _text_logprobs(d.logprobs),
                 "finish_reason": d.finish_reason}
 
@@ -215,13 +254,18 @@ class _Shape:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(self.n)]
 
-    def final(self, texts: dict, reasons: dict, logprobs: dict, usage: dict) -> dict:
+    def final(self, texts: dict, reasons: dict, logprobs: dict, usage: dict,
+              reasoning: dict | None = None) -> dict:
         choices = []
         for i in range(self.n):
             lps = logprobs.get(i)
             if self.kind == "chat":
-                choices.append({"index": i, "message": {"role": "assistant", "content": texts.get(i, "")},
-                                "logprobs": _chat_logprobs(lps), "finish_reason": reasons.get(i)})
+                out = self.output(i)
+                message = out.message(texts.get(i, ""))
+                if (reasoning or {}).get(i):
+                    message["reasoning_content"] = reasoning[i]
+                choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(lps),
+                                "finish_reason": out.finish_reason(reasons.get(i))})
             else:
                 choices.append({"index": i, "text": texts.get(i, ""), "logprobs": _text_logprobs(lps),
                                 "finish_reason": reasons.get(i)})
@@ -270,17 +314,20 @@ def _text_top(e: dict) -> dict[str, float]:
 
 async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:
     texts: dict[int, str] = {}
+    reasoning: dict[int, str] = {}
     reasons: dict[int, str | None] = {}
     logprobs: dict[int, list] = {}
     async for reply in replies:
         if isinstance(reply, protocol.Delta):
             texts[reply.index] = texts.get(reply.index, "") + reply.text
+            if reply.reasoning:
+                reasoning[reply.index] = reasoning.get(reply.index, "") + reply.reasoning
             if reply.logprobs is not None:
                 logprobs.setdefault(reply.index, []).extend(reply.logprobs)
             if reply.finish_reason:
                 reasons[reply.index] = reply.finish_reason
         elif isinstance(reply, protocol.Done):
-            return shape.final(texts, reasons, logprobs, _usage(reply))
+            return shape.final(texts, reasons, logprobs, _usage(reply), reasoning)
     raise AssertionError("reply stream ended without done")  # pragma: no cover
 
 
@@ -313,9 +360,10 @@ async def _sse(answer: _Answer, replies: Lookahead, lease: Lease,
                 if reply is KEEPALIVE:
                     yield b": keep-alive\n\n"
                 elif isinstance(reply, protocol.Delta):
-                    if not (reply.text or reply.finish_reason or reply.logprobs):
+                    if not (reply.text or reply.reasoning or reply.finish_reason or reply.logprobs):
                         continue  # the admission verdict, or text the detokenizer holds back
-                    yield _event(shape.chunk([shape.delta_choice(reply)]))
+                    if (choice := shape.delta_choice(reply)) is not None:
+                        yield _event(shape.chunk([choice]))
                 elif isinstance(reply, protocol.Done):
                     lease.finished(_usage(reply))
                     if include_usage:

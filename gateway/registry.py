@@ -19,6 +19,7 @@ class Facts:
     max_model_len: int | None = None
     vocab_size: int | None = None
     schema: int | None = None  # the protocol schema to write entries in (None: the oldest, 1)
+    tool_call_parser: str | None = None  # the family parser of tool calls, when every worker names the same
 
 
 def _info(raw: bytes | None) -> dict | None:
@@ -31,6 +32,13 @@ def _info(raw: bytes | None) -> dict | None:
     if not isinstance(info, dict) or not all(isinstance(info.get(k), str) for k in ("served_name", "version")):
         return None
     return info
+
+
+def _agreed(workers: list[dict], field: str) -> str | None:
+    """The value every worker gives (None if one differs, or says nothing: an older worker)."""
+    values = {w.get(field) for w in workers}
+    value = values.pop() if len(values) == 1 else None
+    return value if isinstance(value, str) else None
 
 
 def _smallest(workers: list[dict], field: str) -> int | None:
@@ -77,4 +85,5 @@ class Registry:
         workers = [w for w in await self.live_workers()
                    if w["served_name"] == served_name and w["version"] == version]
         schema = 1 if any("schema" not in w for w in workers) else _smallest(workers, "schema")
-        return Facts(_smallest(workers, "max_model_len"), _smallest(workers, "vocab_size"), schema)
+        return Facts(_smallest(workers, "max_model_len"), _smallest(workers, "vocab_size"), schema,
+                     _agreed(workers, "tool_call_parser"))

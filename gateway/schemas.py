@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from gateway import bounds as b
+from gateway import structured, tool_calls
+from gateway.agent_schemas import (CallId, Choices, Ebnf, Regex, ResponseFormat, Schema, SchemaText,
+                                   StructuredOutputsIn, TemplateKwargs, Tool, ToolCallIn, ToolChoice)
 from shared import protocol
-from shared.sampling import StructuredOutputs
+from shared.errors import InvalidRequest
 
 TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
 Bias = Annotated[float, Field(ge=-b.LOGIT_BIAS_VALUE, le=b.LOGIT_BIAS_VALUE)]
@@ -22,7 +25,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """Fields both routes share. Unknown fields are accepted and ignored, as OpenAI clients send some."""
+    """Fields both routes share. Unknown fields are accepted, as OpenAI clients send some that only
+    label a request; those that would change the output are refused by name (gateway/unsupported.py)."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -45,7 +49,12 @@ class _Sampling(BaseModel):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=b.STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     logit_bias: dict[TokenId, Bias] | None = Field(None, max_length=b.LOGIT_BIAS)  # keys: "id" in JSON
-    structured_outputs: StructuredOutputs | None = None  # vLLM's spelling of a constraint
+    structured_outputs: StructuredOutputsIn | None = None  # vLLM's spelling of a constraint
+    response_format: ResponseFormat | None = None  # OpenAI's
+    guided_json: Union[Schema, SchemaText, None] = None  # vLLM's older spellings
+    guided_regex: Regex | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Ebnf | None = None
     priority: int = Field(0, ge=-b.PRIORITY, le=b.PRIORITY)
     user: str | None = Field(None, max_length=b.USER_CHARS)
 
@@ -62,6 +71,10 @@ class _Sampling(BaseModel):
     def limit(self) -> int | None:
         return self.max_tokens
 
+    def constraint(self) -> structured.Constraint | None:
+        """The one constraint on the output, however it was spelled (400 for two at once)."""
+        return structured.one(structured.requested(self))
+
     def to_sampling_params(self) -> protocol.WireParams:
         """The engine's parameters as they travel: every declared field the wire shares, by name
         (an unknown field a client sent never travels), then those OpenAI spells differently."""
@@ -71,7 +84,8 @@ class _Sampling(BaseModel):
 
     def _respelled(self) -> dict:
         """Engine fields OpenAI spells differently (a route adds its own)."""
-        return {"max_tokens": self.limit()}
+        constraint = self.constraint()
+        return {"max_tokens": self.limit(), "structured_outputs": constraint and constraint.outputs}
 
 
 class TextPart(BaseModel):
@@ -87,11 +101,32 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
+    name: Annotated[str, StringConstraints(max_length=b.USER_CHARS)] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(None, max_length=b.TOOL_CALLS)  # an assistant's
+    tool_call_id: CallId | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="after")
+    def _tool_roles(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id of the call it answers")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        return self
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(part.text for part in self.content)
+
+    def entry(self) -> dict:
+        """The message as the entry carries it to the chat template (OpenAI's shape, text content)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        for name in ("name", "tool_call_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -100,9 +135,26 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
+    tools: list[Tool] | None = Field(None, max_length=b.TOOLS)
+    tool_choice: ToolChoice | None = None  # none: `auto` with tools, `none` without
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def choice(self):
+        """`tool_choice` as OpenAI defaults it."""
+        return self.tool_choice or ("auto" if self.tools else "none")
+
+    def constraint(self) -> structured.Constraint | None:
+        """A forced tool call's constraint, or the output's own; both at once is a 400."""
+        forced = tool_calls.forced(self.tools, self.choice(), self.parallel_tool_calls)
+        asked = structured.requested(self)
+        if forced is not None and asked:
+            raise InvalidRequest(f"tool_choice forces a tool call and {asked[0].param} constrains "
+                                 f"the output; send only one", param=asked[0].param)
+        return structured.Constraint("tool_choice", forced) if forced else structured.one(asked)
 
     def _respelled(self) -> dict:
         """Chat asks for logprobs with a flag and a count; the engine takes the count, None: off."""

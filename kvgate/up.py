@@ -34,7 +34,8 @@ LOG_TAIL_LINES = 20
 
 def default_model_dir() -> Path:
     """The demo model, built once into the user's cache folder."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvgate" / "demo-model-v1"
+    # v2: its template renders tools and thinking; a new name, so a cached v1 is not served instead
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvgate" / "demo-model-v2"
     if not (cache / "config.json").exists():
         from worker.models.demo import build_model_dir
 

@@ -7,6 +7,8 @@ Rolling upgrades: a process decodes its own schema version and the one before it
 older one to a peer that speaks only that (a worker answers in its entry's version; a gateway writes
 an entry in the oldest version among the workers of its stream, which they put in their registry
 entries). What each version added is listed in ADDED, so writing down drops exactly those fields.
+A feature an older peer would drop that way is not sent to it at all: the gateway refuses the
+request while such a peer serves its stream (NEEDS, `missing_features`).
 """
 from __future__ import annotations
 
@@ -18,8 +20,10 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 2
-OLDEST_SCHEMA = 1  # the previous release's version: still decoded, and written to peers that need it
+SCHEMA_VERSION = 3
+# still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
+# which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
+OLDEST_SCHEMA = 1
 ENTRY_FIELD = b"m"  # the single field of a stream entry; its value is the encoded RequestEntry
 
 
@@ -123,7 +127,20 @@ _reply_adapter: TypeAdapter = TypeAdapter(Reply)
 
 
 # version -> message type -> the fields that version added (a peer of an older version never sees them)
-ADDED: dict[int, dict[str, frozenset[str]]] = {2: {"error": frozenset({"retryable"})}}
+ADDED: dict[int, dict[str, frozenset[str]]] = {
+    2: {"error": frozenset({"retryable"})},
+    3: {"request": frozenset({"tools", "chat_template_kwargs"}), "delta": frozenset({"reasoning"})},
+}
+# request features an older peer would drop without a word (the params' new fields travel inside
+# `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
+NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3}
+
+
+def missing_features(entry: RequestEntry, version: int) -> list[str]:
+    """The features `entry` uses that a peer speaking `version` would not honour."""
+    used = {"tools": entry.tools, "chat_template_kwargs": entry.chat_template_kwargs,
+            "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias}
+    return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 
 class ProtocolError(ValueError):

@@ -56,6 +56,9 @@ class GatewaySettings(FilesSettings):
                                     "its worker's admission verdict before the 200 and keep-alives "
                                     "go out (an error known by then is an HTTP error, one after it "
                                     "an SSE error event; 0: at once)")
+    grammar_check_timeout_s: float = Field(2.0, gt=0, description="Longest the gateway spends "
+                                           "compiling a request's JSON schema, regex or grammar "
+                                           "to check it (400 beyond: simplify it)")
     default_reserve_tokens: int = Field(2048, ge=0, description="Completion tokens a request "
                                         "without max_tokens reserves against its key's TPM and "
                                         "daily budget (capped at the context its prompt leaves; "

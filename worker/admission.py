@@ -25,6 +25,7 @@ from worker.inflight import Active, InFlight
 from worker.metrics import WorkerMetrics
 from worker.outcomes import ANSWERED, REJECTED
 from worker.replies import Outbox
+from worker.thinking import Markers, ThinkingSplit
 
 log = logging.getLogger("kvgate.worker")
 
@@ -36,8 +37,10 @@ def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) ->
 
 class Admission:
     def __init__(self, s: WorkerSettings, client: redis.Redis, engine, tokenizer, outbox: Outbox,
-                 metrics: WorkerMetrics, inflight: InFlight):
+                 metrics: WorkerMetrics, inflight: InFlight, markers: Markers | None = None):
+        """`markers`: the reasoning parser's, when the model thinks (its chats' text is split)."""
         self.s, self.client, self.engine, self.tokenizer = s, client, engine, tokenizer
+        self.markers = markers
         self.outbox, self.metrics, self.inflight = outbox, metrics, inflight
         self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker)
 
@@ -144,7 +147,8 @@ class Admission:
         act = self.inflight.add(rid, Active(
             p.entry_id, entry.reply_channel, entry.params.n, len(prompt_ids), seq=ckpt.last_seq,
             finished=set(ckpt.finished), completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
-            stream=p.stream, version=entry.v, deadline=entry.deadline))
+            stream=p.stream, version=entry.v, deadline=entry.deadline,
+            splits=self._splits(entry, prompt_ids, ckpt)))
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
@@ -157,8 +161,17 @@ class Admission:
         if entry.prompt_token_ids is not None:
             return list(entry.prompt_token_ids)
         if entry.kind == "chat":
-            return render_chat(self.tokenizer, entry.messages or [])
+            return render_chat(self.tokenizer, entry.messages or [], entry.tools, entry.chat_template_kwargs)
         return encode_prompt(self.tokenizer, entry.prompt or "")
+
+    def _splits(self, entry: protocol.RequestEntry, prompt_ids: list[int],
+                ckpt: checkpoint.Checkpoint) -> dict[int, ThinkingSplit] | None:
+        """Each unfinished choice's thinking/answer split, from the prompt and the tokens it already
+        sent; only chats have a place for reasoning (a completion's text stays whole)."""
+        if self.markers is None or entry.kind != "chat":
+            return None
+        return {i: self.markers.split(prompt_ids, ckpt.tokens.get(i, []))
+                for i in range(entry.params.n) if i not in ckpt.finished}
 
     def _fail(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
               code: str, message: str, param: str | None = None, when: str = ANSWERED) -> None:

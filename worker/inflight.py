@@ -18,6 +18,7 @@ from worker.engine.types import RequestError, RequestOutput
 from worker.metrics import WorkerMetrics
 from worker.outcomes import FAILED
 from worker.replies import Outbox
+from worker.thinking import ThinkingSplit
 from worker.token_text import TokenText
 
 log = logging.getLogger("kvgate.worker")
@@ -37,10 +38,18 @@ class Active:
     stream: str | None = None  # the stream the entry came from; None: the interactive lane
     version: int = protocol.SCHEMA_VERSION  # the entry's schema: its replies are written in it
     deadline: float = math.inf  # the entry's, in time.time(): enforced here while Redis refuses
+    splits: dict[int, ThinkingSplit] | None = None  # choice → its thinking/answer split (reasoning models)
 
     def next_seq(self) -> int:
         self.seq += 1
         return self.seq
+
+    def split(self, out: RequestOutput) -> tuple[str | None, str]:
+        """(thinking, answer) of the text `out` released; all of it is the answer without a split."""
+        split = self.splits.get(out.index) if self.splits else None
+        if split is None:
+            return None, out.text
+        return split.add(out.new_token_ids, out.text, final=out.finished)
 
 
 class InFlight:
@@ -84,9 +93,10 @@ class InFlight:
             return
         act.completion_tokens[out.index] = out.num_output_tokens
         self.metrics.output(out)
+        reasoning, text = act.split(out)
         self.outbox.reply(act.reply_channel, protocol.Delta(
-            request_id=out.request_id, seq=act.next_seq(), index=out.index, text=out.text,
-            token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+            request_id=out.request_id, seq=act.next_seq(), index=out.index, text=text,
+            reasoning=reasoning or None, token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
             finish_reason=out.finish_reason if out.finished else None), act.version)
         if out.finished:
             act.finished.add(out.index)

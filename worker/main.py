@@ -5,10 +5,11 @@ import logging
 import signal
 from dataclasses import fields
 
-from shared import logs, telemetry
+from shared import logs, reasoning, telemetry, tool_parsers
 from shared.settings import WorkerSettings
 from worker.engine.config import EngineConfig
 from worker.engine.kv_budget import KVCacheTooSmall
+from worker.engine.tokenizer import load_tokenizer
 
 log = logging.getLogger("kvgate.worker")
 
@@ -23,6 +24,34 @@ def engine_config(s: WorkerSettings) -> EngineConfig:
     with `fields()`: a knob added to both is passed on with no edit here."""
     knobs = {f.name: getattr(s, f.name) for f in fields(EngineConfig) if f.name in WorkerSettings.model_fields}
     return EngineConfig(**{**knobs, "model_dir": s.model, "device": _device(s.device)})
+
+
+def resolve_parsers(s: WorkerSettings, tokenizer) -> WorkerSettings:
+    """The settings with `reasoning_parser` and `tool_call_parser` resolved: None is what the model's
+    chat template implies (or none), a name is taken as given. Raises ValueError for a name that is
+    not implemented, or reasoning markers that are not single tokens of this tokenizer."""
+    from worker.thinking import Markers
+
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # a folder with named templates: any of them may say
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    think = s.reasoning_parser or reasoning.detect(template)
+    tools = s.tool_call_parser or tool_parsers.detect(template)
+    if think is not None and think not in reasoning.PARSERS:
+        raise ValueError(f"unknown --reasoning-parser {think!r}; choose one of "
+                         f"{', '.join(reasoning.PARSERS)}")
+    if tools is not None and tools not in tool_parsers.NAMES:
+        raise ValueError(f"unknown --tool-call-parser {tools!r}; choose one of "
+                         f"{', '.join(tool_parsers.NAMES)}")
+    if think is not None and Markers.of(tokenizer, think) is None:
+        words = reasoning.PARSERS[think]
+        if s.reasoning_parser:
+            raise ValueError(f"--reasoning-parser {think}: {words.start} and {words.end} are not single "
+                             f"tokens of this model's tokenizer")
+        log.warning("the chat template writes %s, but it is not one token here: no reasoning parser",
+                    words.start)
+        think = None
+    return s.model_copy(update={"reasoning_parser": think, "tool_call_parser": tools})
 
 
 def build_engine(s: WorkerSettings):
@@ -58,6 +87,11 @@ def run_worker(s: WorkerSettings) -> None:
         import torch
 
         torch.set_num_threads(s.torch_threads)
+    try:
+        s = resolve_parsers(s, load_tokenizer(s.model))
+    except ValueError as exc:  # a parser named wrong: say so, no traceback
+        log.error("%s", exc)
+        raise SystemExit(f"kvgate worker: {exc}") from None
     try:
         engine = build_engine(s)
     except KVCacheTooSmall as exc:  # a setting to change, not a crash: say which, no traceback

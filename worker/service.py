@@ -27,6 +27,7 @@ from worker.heartbeat import Heartbeat
 from worker.inflight import InFlight
 from worker.metrics import WorkerMetrics
 from worker.replies import Outbox
+from worker.thinking import Markers
 
 log = logging.getLogger("kvgate.worker")
 
@@ -46,8 +47,9 @@ class WorkerService:
         self.outbox = Outbox(self.redis, self.consumer.stream, settings.worker_id,
                              settings.max_checkpoint_bytes)
         self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer)
+        markers = Markers.of(tokenizer, settings.reasoning_parser) if settings.reasoning_parser else None
         self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
-                                   self.inflight)
+                                   self.inflight, markers)
         self.cancels = CancelListener(self.redis, self.stopping)
         self.heartbeat = Heartbeat(self.redis, settings, self.stopping, self.registry_entry)
 
@@ -56,8 +58,10 @@ class WorkerService:
         self._until_redis(self.heartbeat.register_model)
         self.heartbeat.start()
         self.cancels.start()
-        log.info("worker %s serving %s:%s on %s", self.s.worker_id, self.s.served_name,
-                 self.s.version, self.consumer.stream)
+        log.info("worker %s serving %s:%s on %s (reasoning parser %s, tool call parser %s)",
+                 self.s.worker_id, self.s.served_name, self.s.version, self.consumer.stream,
+                 self.s.reasoning_parser, self.s.tool_call_parser,
+                 extra={"reasoning_parser": self.s.reasoning_parser, "tool_call_parser": self.s.tool_call_parser})
         try:
             while not self.stopping.is_set():
                 try:
@@ -87,6 +91,7 @@ class WorkerService:
                 **engine.kv_cache_fields(), "vocab_size": engine.vocab_size,
                 "eos_token_ids": sorted(engine.eos_token_ids), "bos_token_id": engine.bos_token_id,
                 "schema": protocol.SCHEMA_VERSION, "draining": self.drain_deadline is not None,
+                "reasoning_parser": s.reasoning_parser, "tool_call_parser": s.tool_call_parser,
                 "active": len(self.inflight), "stats": engine.stats(),
                 **self.metrics.outcomes.registry_fields(), "metrics_url": self.metrics.url,
                 "ts": time.time()}

@@ -23,13 +23,25 @@ from tests.integration.test_schema_skew import MODEL, ProtocolPeer
 from worker.admission import to_sampling_params
 
 REST = 50  # what the worker passes as "the rest of the context" for a request without max_tokens
-NOT_SAMPLING = {"model", "stream", "stream_options", "user", "messages", "prompt", "echo"}  # routing,
+NOT_SAMPLING = {"model", "stream", "stream_options", "user", "messages", "prompt", "echo",  # routing,
+                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}  # on the entry
 FROM_THE_KEY = {"cache_salt"}  # the engine field no request sets          # response shape, refused
+CONSTRAINT = {"json": None, "json_object": False, "regex": None, "choice": None, "grammar": None}
 SAMPLES = {"stop": ("halt", ["halt"]), "stop_token_ids": ([7], [7]),  # (request value, engine value)
            "logit_bias": ({"7": -100}, {7: -100.0}),
-           "structured_outputs": ({"regex": "[ab]+"}, {"regex": "[ab]+", "json": None, "json_object": False,
-                                                       "choice": None, "grammar": None})}
-RESPELLED = {  # chat's OpenAI spellings: (what the body says, what the engine gets)
+           "structured_outputs": ({"regex": "[ab]+"}, {**CONSTRAINT, "regex": "[ab]+"})}
+SPELLED = {  # the other spellings of structured_outputs: (what the body says, what the engine gets)
+    "response_format": ({"response_format": {"type": "json_object"}},
+                        {"structured_outputs": {**CONSTRAINT, "json_object": True}}),
+    "guided_json": ({"guided_json": {"type": "object"}},
+                    {"structured_outputs": {**CONSTRAINT, "json": '{"type":"object"}'}}),
+    "guided_regex": ({"guided_regex": "[ab]+"}, {"structured_outputs": {**CONSTRAINT, "regex": "[ab]+"}}),
+    "guided_choice": ({"guided_choice": ["a", "b"]},
+                      {"structured_outputs": {**CONSTRAINT, "choice": ["a", "b"]}}),
+    "guided_grammar": ({"guided_grammar": 'root ::= "a"'},
+                       {"structured_outputs": {**CONSTRAINT, "grammar": 'root ::= "a"'}}),
+}
+RESPELLED = {**SPELLED,  # chat's OpenAI spellings: (what the body says, what the engine gets)
     "max_completion_tokens": ({"max_completion_tokens": 5}, {"max_tokens": 5}),
     "logprobs": ({"logprobs": True}, {"logprobs": 0}),
     "top_logprobs": ({"logprobs": True, "top_logprobs": 3}, {"logprobs": 3}),
@@ -37,7 +49,7 @@ RESPELLED = {  # chat's OpenAI spellings: (what the body says, what the engine g
 ROUTES = [
     ("/v1/chat/completions", ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]},
      RESPELLED),
-    ("/v1/completions", CompletionRequest, {"prompt": "hi"}, {}),
+    ("/v1/completions", CompletionRequest, {"prompt": "hi"}, SPELLED),
 ]
 
 

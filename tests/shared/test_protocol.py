@@ -33,11 +33,11 @@ def test_a_steps_replies_travel_as_one_message_in_order():
     assert protocol.decode_replies(message) == replies
     assert protocol.decode_replies(protocol.encode(replies[1])) == [replies[1]]
     with pytest.raises(protocol.ProtocolError):
-        protocol.decode_replies(message.replace(b'"v":2', b'"v":99', 1))
+        protocol.decode_replies(message.replace(f'"v":{protocol.SCHEMA_VERSION}'.encode(), b'"v":99', 1))
 
 
 def test_unknown_schema_version_is_refused():
-    raw = protocol.encode(protocol.Cancel(request_id="r")).replace(b'"v":2', b'"v":99')
+    raw = protocol.encode(protocol.Cancel(request_id="r")).replace(f'"v":{protocol.SCHEMA_VERSION}'.encode(), b'"v":99')
     with pytest.raises(protocol.ProtocolError):
         protocol.decode_cancel(raw)
     with pytest.raises(protocol.ProtocolError):
@@ -73,3 +73,16 @@ def test_names_are_namespaced_and_distinct():
             names.reply_channel("g"), names.CANCEL_CHANNEL, names.cancelled_key("r"),
             names.WORKERS_ZSET, names.worker_key("w"), names.model_versions_key("m")}
     assert len(made) == 8 and all(n.startswith("kvgate:") for n in made)
+
+
+def test_schema_3_features_are_dropped_for_a_schema_2_peer_and_named_as_missing():
+    entry = _entry(tools=[{"type": "function", "function": {"name": "f"}}],
+                   chat_template_kwargs={"enable_thinking": True},
+                   params=protocol.WireParams(logit_bias={5: 1.0}))
+    v2 = orjson.loads(protocol.encode(entry, version=2))
+    assert v2["v"] == 2 and "tools" not in v2 and "chat_template_kwargs" not in v2
+    assert protocol.missing_features(entry, 2) == ["tools", "chat_template_kwargs", "logit_bias"]
+    assert protocol.missing_features(entry, 3) == [] and protocol.missing_features(_entry(), 1) == []
+    delta = protocol.Delta(request_id="r", seq=1, text="a", reasoning="thinking")
+    assert "reasoning" not in orjson.loads(protocol.encode(delta, version=2))
+    assert protocol.decode_reply(protocol.encode(delta)).reasoning == "thinking"

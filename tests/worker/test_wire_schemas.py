@@ -99,7 +99,7 @@ def test_an_entry_of_an_unknown_schema_or_with_bad_fields_is_answered_not_droppe
     [invalid] = ch.raw_replies("no-deadline")
     assert unsupported["code"] == "unsupported_schema" and unsupported["v"] == protocol.SCHEMA_VERSION
     assert "schema version 99" in unsupported["message"]
-    assert invalid["code"] == "invalid_request" and invalid["v"] == 2
+    assert invalid["code"] == "invalid_request" and invalid["v"] == protocol.SCHEMA_VERSION
     assert "deadline: Field required" in invalid["message"]
     deadline = time.monotonic() + 10
     while cluster.client.xlen(STREAM) and time.monotonic() < deadline:

@@ -37,8 +37,17 @@ def eos_token_ids(model_dir: str | Path, tokenizer) -> set[int]:
     return ids
 
 
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` in the folder's chat template, ending where the assistant speaks.
+# apply_chat_template's own arguments: a request's chat_template_kwargs never override ours
+RESERVED_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask", "chat_template",
+    "padding", "truncation", "max_length", "tokenizer_kwargs"})
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+                chat_template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of `messages` in the folder's chat template, ending where the assistant speaks;
+    `tools` and `chat_template_kwargs` (e.g. enable_thinking) are the template's to use.
 
     A real model's template refuses messages it does not like by raising (jinja2's TemplateError
     through its `raise_exception`, or a TypeError on an odd shape): that is the request's fault,
@@ -46,12 +55,42 @@ def render_chat(tokenizer, messages: list[dict]) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise EngineRejected("this model folder has no chat template; use a completion prompt instead",
                              "invalid_request", "messages")
+    extra = {k: v for k, v in (chat_template_kwargs or {}).items() if k not in RESERVED_KWARGS}
+    messages = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                             add_generation_prompt=True, **extra)
     except Exception as exc:  # the template is fixed, so whatever it raises, the messages caused
         raise EngineRejected(f"the model's chat template refused these messages: "
                              f"{str(exc) or type(exc).__name__}", "invalid_request", "messages") from exc
     return list(tokenizer.encode(text, add_special_tokens=False))  # the template placed BOS itself
+
+
+def _template_message(message: dict, position: int) -> dict:
+    """An assistant message's tool calls with their arguments as a mapping, as templates (Qwen's,
+    Llama's) expect and vLLM passes them; OpenAI sends them as a JSON string."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_parsed_call(c, position, i) for i, c in enumerate(calls)]}
+
+
+def _parsed_call(call, position: int, index: int):
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError as exc:
+        raise EngineRejected(f"messages[{position}].tool_calls[{index}].function.arguments is not JSON: "
+                             f"{exc}", "invalid_request", "messages") from exc
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+def marker_ids(tokenizer, markers: tuple[str, ...]) -> list[int] | None:
+    """The id of each marker when every one is a single token of this tokenizer, else None."""
+    ids = [tokenizer.encode(m, add_special_tokens=False) for m in markers]
+    return [i[0] for i in ids] if all(len(i) == 1 for i in ids) else None
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:

@@ -8,13 +8,56 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+# Qwen-style (Qwen2.5/Qwen3): tools listed in the system turn, calls written as <tool_call>{json}</tool_call>,
+# results sent back in a user turn as <tool_response>, and thinking opened by `enable_thinking`. A chat
+# without tools or thinking renders exactly as the plain ChatML template before it did.
+CHAT_TEMPLATE = """\
+{%- if enable_thinking is not defined %}{%- set enable_thinking = THINKING_DEFAULT %}{%- endif %}
+{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{{- '\n\n' }}{%- endif %}
+    {{- '# Tools\n\nYou may call one or more functions to assist with the user query.\n\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+    {%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments '
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n'
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message['role'] == 'system' and loop.first and tools %}
+    {%- elif message['role'] == 'assistant' and message['tool_calls'] %}
+        {{- '<|im_start|>assistant' }}
+        {%- if message['content'] %}{{- '\n' }}{{- message['content'] }}{%- endif %}
+        {%- for call in message['tool_calls'] %}
+            {%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}{{- call['name'] }}{{- '", "arguments": ' }}
+            {{- call['arguments'] | tojson }}{{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message['role'] == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}
+        {{- '\n<tool_response>\n' }}{{- message['content'] }}{{- '\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' }}{{- message['role'] }}{{- '\n' }}{{- message['content'] }}{{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking %}{{- '<think>\n' }}{%- endif %}
+{%- endif %}
+"""
+
+
+def chat_template(thinking_default: bool = False) -> str:
+    """The template, thinking when a request does not say (`enable_thinking`) as `thinking_default`."""
+    return CHAT_TEMPLATE.replace("THINKING_DEFAULT", "true" if thinking_default else "false")
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# One token each, and kept in decoded text (not special), as in Qwen's tokenizer: the gateway's tool
+# parser reads <tool_call> in the text, the worker strips the thinking markers from it.
+MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 _WORDS = (
     "the a of and to in is it you that he was for on are with as I his they be at one have this "
@@ -41,16 +84,18 @@ def _corpus(n_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
-    """A byte-level BPE tokenizer trained offline on a fixed synthetic corpus; deterministic."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(vocab_size: int = 2048, seed: int = 0, thinking: bool = False):
+    """A byte-level BPE tokenizer trained offline on a fixed synthetic corpus; deterministic. The
+    markers take the last ids, so the vocabulary is still `vocab_size`; `thinking`: the template
+    thinks unless a request says `enable_thinking: false`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        vocab_size=vocab_size - len(MARKERS), special_tokens=SPECIAL_TOKENS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(seed=seed), trainer=trainer)
@@ -58,7 +103,8 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0):
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
         pad_token="<|endoftext|>", unk_token=None,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens([AddedToken(m, special=False, normalized=False) for m in MARKERS])
+    fast.chat_template = chat_template(thinking)
     return fast
 
 
@@ -86,14 +132,16 @@ def build_model_dir(
     rope_theta: float = 10000.0,
     seed: int = 0,
     head_dim: int | None = None,
+    thinking: bool = False,
 ) -> Path:
-    """Write a deterministic random-weight `arch` model plus tokenizer to `path` and return it."""
+    """Write a deterministic random-weight `arch` model plus tokenizer to `path` and return it;
+    `thinking`: its chat template opens <think> unless a request sets `enable_thinking: false`."""
     import torch
     import transformers
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(vocab_size=vocab_size, seed=seed)
+    tokenizer = train_tokenizer(vocab_size=vocab_size, seed=seed, thinking=thinking)
     kw = dict(
         vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

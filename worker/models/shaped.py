@@ -18,6 +18,8 @@ QWEN3_0_6B = dict(arch="qwen3", vocab_size=151_936, hidden_size=1024, num_layers
                   num_kv_heads=8, head_dim=128, intermediate_size=3072, tie_word_embeddings=True,
                   max_position_embeddings=40_960, rope_theta=1_000_000.0, rms_norm_eps=1e-6)
 SPECIALS_AT = 151_643  # Qwen's <|endoftext|>, <|im_start|>, <|im_end|> ids
+# Qwen's ids of the tool-call and thinking markers
+MARKER_IDS = {"<tool_call>": 151_657, "</tool_call>": 151_658, "<think>": 151_667, "</think>": 151_668}
 # transformers' 0.02 everywhere makes a tied model echo its input (the layers add little to the
 # embedding the logits are read against); larger layer weights give varied greedy outputs
 EMBED_STD, LAYER_STD = 0.02, 0.06
@@ -41,31 +43,30 @@ def build_shaped_dir(path: str | Path, shape: dict, seed: int = 0, num_shards: i
 
 def padded_tokenizer(vocab_size: int):
     """The demo's byte-level BPE (worker/models/demo.py), its ids laid out as Qwen's: ordinary
-    tokens from 0, filler tokens up to SPECIALS_AT, the special tokens there, fillers to the end.
+    tokens from 0, filler tokens up to SPECIALS_AT, the special tokens there, fillers to the end but
+    for the tool and thinking markers at Qwen's ids.
     Fillers are short ASCII words no merge produces, so they decode to readable text but encoding
     never yields them, as with a real tokenizer's rarely used tokens."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    from worker.models.demo import CHAT_TEMPLATE, SPECIAL_TOKENS, train_tokenizer
+    from worker.models.demo import MARKERS, SPECIAL_TOKENS, chat_template, train_tokenizer
 
     trained = json.loads(train_tokenizer().backend_tokenizer.to_str())
     old = trained["model"]["vocab"]
-    vocab = {t: i for i, t in enumerate(sorted((t for t in old if t not in SPECIAL_TOKENS), key=old.get))}
+    ordinary = sorted((t for t in old if t not in SPECIAL_TOKENS and t not in MARKERS), key=old.get)
+    vocab = {t: i for i, t in enumerate(ordinary)}
+    placed = {SPECIALS_AT + i: t for i, t in enumerate(SPECIAL_TOKENS)} | {i: t for t, i in MARKER_IDS.items()}
     fillers = (w for w in map(_filler, range(vocab_size * 2)) if w not in old)
-    while len(vocab) < SPECIALS_AT:
-        vocab[next(fillers)] = len(vocab)
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
     while len(vocab) < vocab_size:
-        vocab[next(fillers)] = len(vocab)
+        vocab[placed.get(len(vocab)) or next(fillers)] = len(vocab)
     trained["model"]["vocab"] = vocab
     for added in trained["added_tokens"]:
         added["id"] = vocab[added["content"]]
     fast = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(json.dumps(trained)), bos_token="<|endoftext|>",
         eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template()
     return fast
 
 

@@ -4,6 +4,7 @@ import json
 import pytest
 
 from worker.engine.tokenizer import encode_prompt, eos_token_ids, load_tokenizer, render_chat
+from worker.engine.types import EngineRejected
 from worker.models.demo import train_tokenizer
 
 
@@ -33,3 +34,79 @@ def test_render_chat_without_a_template_says_so(folder):
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         render_chat(tok, [{"role": "user", "content": "hi"}])
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_the_demo_markers_are_single_tokens_kept_in_text_and_the_vocabulary_is_unchanged(folder):
+    from worker.engine.tokenizer import marker_ids
+
+    tok = load_tokenizer(folder)
+    ids = marker_ids(tok, ("<think>", "</think>", "<tool_call>", "</tool_call>"))
+    assert ids == [2044, 2045, 2046, 2047] and len(tok) == 2048
+    assert tok.decode(ids, skip_special_tokens=True) == "<think></think><tool_call></tool_call>"
+    assert marker_ids(tok, ("<think>", "<nothink>")) is None
+
+
+def test_tools_are_listed_in_the_system_turn(folder):
+    tok = load_tokenizer(folder)
+    text = tok.decode(render_chat(tok, [{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Weather in Paris?"}], tools=TOOLS))
+    assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert "</tools>" in text and text.count("<|im_start|>system") == 1
+    assert text.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_tool_call_round_trip_renders_arguments_as_json_and_results_in_a_user_turn(folder):
+    tok = load_tokenizer(folder)
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+    ]
+    text = tok.decode(render_chat(tok, messages, tools=TOOLS))
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
+            '</tool_call><|im_end|>\n') in text, "arguments as an object, not a JSON string in a string"
+    assert ("<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\nrain\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n") in text
+    assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}', "not mutated"
+
+
+def test_tool_call_arguments_that_are_not_json_are_the_requests_error(folder):
+    tok = load_tokenizer(folder)
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}
+    with pytest.raises(EngineRejected, match=r"messages\[1\].tool_calls\[0\].function.arguments is not "
+                                             r"JSON") as caught:
+        render_chat(tok, [{"role": "user", "content": "hi"},
+                          {"role": "assistant", "content": None, "tool_calls": [call]}])
+    assert caught.value.code == "invalid_request" and caught.value.param == "messages"
+
+
+def test_enable_thinking_opens_a_think_block_and_reserved_kwargs_never_override_ours(folder):
+    tok = load_tokenizer(folder)
+    chat = [{"role": "user", "content": "hi"}]
+    plain = tok.decode(render_chat(tok, chat))
+    assert plain.endswith("<|im_start|>assistant\n"), "thinking is off unless asked for"
+    thinking = tok.decode(render_chat(tok, chat, chat_template_kwargs={"enable_thinking": True}))
+    assert thinking == plain + "<think>\n"
+    hostile = {"add_generation_prompt": False, "tokenize": True, "messages": [], "tools": TOOLS,
+               "chat_template": "{{ 'pwned' }}", "return_dict": True}
+    assert render_chat(tok, chat, chat_template_kwargs=hostile) == render_chat(tok, chat)
+
+
+def test_a_thinking_demo_template_thinks_unless_told_not_to():
+    tok = train_tokenizer(thinking=True)
+    chat = [{"role": "user", "content": "hi"}]
+    assert tok.decode(render_chat(tok, chat)).endswith("<|im_start|>assistant\n<think>\n")
+    off = render_chat(tok, chat, chat_template_kwargs={"enable_thinking": False})
+    assert tok.decode(off).endswith("<|im_start|>assistant\n")

@@ -1,0 +1,63 @@
+"""No silent ignoring: a request field that changes what the model should produce and that kvgate
+does not implement is refused with a 400 naming it, rather than dropped (an agent would get free
+text where it asked for something else). One list, a reason per field. A field the route declares
+is implemented, but for the values a rule's `when` picks; one it does not declare arrives as an
+extra, refused when it is present and not null (or when `when` picks its value). Fields that only
+label a request (user, metadata, store, service_tier, safety_identifier, prompt_cache_key) are not
+listed: they stay accepted."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shared.errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Refused:
+    field: str
+    reason: str
+    when: Callable[[Any, Any], bool] | None = None  # (value, body) -> refused; None: any non-null extra
+
+
+REFUSED = (
+    Refused("functions", "legacy function calling is not supported; send `tools`"),
+    Refused("function_call", "legacy function calling is not supported; send `tool_choice`"),
+    Refused("audio", "audio output is not supported"),
+    Refused("modalities", "only text output is supported",
+            lambda v, _: v is not None and list(v) != ["text"]),
+    Refused("prediction", "predicted outputs are not supported"),
+    Refused("web_search_options", "web search is not supported"),
+    Refused("reasoning_effort", "reasoning_effort is not supported; a template that reads it takes "
+            "it in chat_template_kwargs"),
+    Refused("verbosity", "verbosity is not supported"),
+    Refused("best_of", "best_of above 1 is not supported; use n", lambda v, _: v not in (None, 1)),
+    Refused("suffix", "suffix (insertion) is not supported"),
+    Refused("guided_decoding_backend", "the grammar backend is the server's choice (xgrammar)"),
+    Refused("guided_whitespace_pattern", "a whitespace pattern for JSON is not supported"),
+    Refused("top_logprobs", "top_logprobs needs logprobs: true",
+            lambda v, body: v is not None and not getattr(body, "logprobs", None)),
+    # on /v1/completions, where these are not declared: only chat renders a template
+    Refused("tools", "tools are served on /v1/chat/completions"),
+    Refused("tool_choice", "tool_choice is served on /v1/chat/completions"),
+    Refused("chat_template_kwargs", "chat_template_kwargs apply on /v1/chat/completions"),
+)
+
+
+def check_supported(body) -> None:
+    """400 naming the first field the request sets that kvgate would otherwise ignore."""
+    for rule in REFUSED:
+        if _refused(rule, body):
+            raise InvalidRequest(f"{rule.field}: {rule.reason}", param=rule.field,
+                                 code="unsupported_parameter")
+
+
+def _refused(rule: Refused, body) -> bool:
+    extra = body.model_extra or {}
+    if rule.field in type(body).model_fields:
+        return rule.when is not None and rule.when(getattr(body, rule.field), body)
+    if rule.field not in extra:
+        return False
+    value = extra[rule.field]
+    return value is not None if rule.when is None else rule.when(value, body)

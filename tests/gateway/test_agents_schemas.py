@@ -1,0 +1,222 @@
+"""The agents' request fields, as the gateway reads them before anything is queued: one constraint
+from every spelling, tool_choice turned into a constraint, checks that name the problem (400), the
+one list of refused fields, and the shapes of calls going back out."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import jsonschema
+import pytest
+from pydantic import ValidationError
+
+from gateway import structured, tool_calls
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.unsupported import check_supported
+from shared import tool_parsers as tp
+from shared.errors import InvalidRequest
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                          "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def _chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+def _refusal(fn, *args) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as info:
+        fn(*args)
+    return info.value
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}},
+     {"json": '{"type":"integer"}'}),
+    ({"response_format": {"type": "text"}}, None),
+    ({"structured_outputs": {"json": {"type": "string"}}}, {"json": '{"type":"string"}'}),
+    ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+    ({"guided_json": '{"type": "boolean"}'}, {"json": '{"type": "boolean"}'}),
+    ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
+    ({"guided_grammar": 'root ::= "a"'}, {"grammar": 'root ::= "a"'}),
+])
+def test_every_spelling_becomes_the_one_constraint(fields, expected):
+    got = _chat(**fields).to_sampling_params().structured_outputs
+    assert (got and {k: v for k, v in vars(got).items() if v not in (None, False)}) == expected
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", **fields}
+                                            ).to_sampling_params().structured_outputs == got
+
+
+def test_two_constraints_at_once_are_refused_naming_both():
+    err = _refusal(_chat(response_format={"type": "json_object"}, guided_regex="a+").constraint)
+    assert "response_format and guided_regex" in err.message and err.param == "guided_regex"
+    err = _refusal(_chat(tools=[WEATHER], tool_choice="required", guided_choice=["a"]).constraint)
+    assert "tool_choice" in err.message and err.param == "guided_choice"
+    err = _refusal(_chat(structured_outputs={"regex": "a", "grammar": 'root ::= "a"'}).constraint)
+    assert "regex, grammar" in err.message and err.param == "structured_outputs"
+    err = _refusal(_chat(response_format={"type": "xml"}).constraint)
+    assert err.param == "response_format.type" and "'xml'" in err.message
+
+
+def test_a_named_tool_choice_constrains_to_its_parameters_and_must_name_a_tool():
+    body = _chat(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    c = body.constraint()
+    assert c.param == "tool_choice" and json.loads(c.outputs.json) == WEATHER["function"]["parameters"]
+    missing = _chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    err = _refusal(missing.constraint)
+    assert err.param == "tool_choice" and "'nope'" in err.message
+    assert _refusal(_chat(tool_choice="required").constraint).param == "tool_choice"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_required_asks_for_an_array_of_calls_to_any_tool(parallel):
+    schema = json.loads(_chat(tools=[WEATHER, TIME], tool_choice="required",
+                              parallel_tool_calls=parallel).constraint().outputs.json)
+    two = [{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]
+    jsonschema.validate(two[:1], schema)
+    for wrong in ([], [{"name": "other", "parameters": {}}], [{"name": "get_weather", "parameters": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    if parallel:
+        jsonschema.validate(two, schema)
+    else:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(two, schema)
+
+
+def test_the_output_of_a_forced_required_call_streams_as_calls():
+    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
+    for size in (1, 5, len(text)):
+        out = tool_calls.ChoiceOutput(tool_calls.reader(_chat(tools=[WEATHER]).tools, "required", None))
+        deltas = [out.delta(text[i:i + size], i + size >= len(text)) for i in range(0, len(text), size)]
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        starts = [c for c in calls if "id" in c]
+        assert [c["function"]["name"] for c in starts] == ["get_weather", "get_time"]
+        assert all(c["id"].startswith("call_") and c["type"] == "function" for c in starts)
+        args = {i: "".join(c["function"]["arguments"] for c in calls if c["index"] == i) for i in (0, 1)}
+        assert json.loads(args[0]) == {"city": "Oslo"} and json.loads(args[1]) == {}
+        assert not any("content" in d for d in deltas)
+        assert out.finish_reason("stop") == "tool_calls" and out.finish_reason("length") == "length"
+
+
+def test_a_whole_message_with_calls_has_null_content():
+    out = tool_calls.ChoiceOutput(tp.make("hermes"))
+    msg = out.message('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>')
+    assert msg["content"] is None and msg["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    plain = tool_calls.ChoiceOutput(tool_calls.reader(None, None, None))
+    assert plain.message("hi") == {"role": "assistant", "content": "hi"} and plain.finish_reason("stop") == "stop"
+
+
+def _check(constraint_fields: dict) -> InvalidRequest | None:
+    c = _chat(**constraint_fields).constraint()
+    try:
+        asyncio.run(structured.check(c, 10))
+    except InvalidRequest as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("fields, param, words", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}},
+     "response_format", "not a valid JSON schema"),
+    ({"guided_json": "{not json"}, "guided_json", "not JSON"),
+    ({"structured_outputs": {"json": {"type": "object", "minProperties": -1}}}, "structured_outputs",
+     "minProperties"),
+    ({"guided_regex": "[a-"}, "guided_regex", "does not compile"),
+    ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "undefined_rule"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tool_choice", "valid JSON"),
+])
+def test_a_constraint_that_is_invalid_or_does_not_compile_is_a_400_naming_it(fields, param, words):
+    err = _check(fields)
+    assert err is not None and err.status == 400 and err.param == param and words in err.message, err
+
+
+def test_valid_constraints_pass_the_check():
+    for fields in ({"response_format": {"type": "json_object"}}, {"guided_regex": "[a-z]{3}"},
+                   {"guided_grammar": 'root ::= "yes" | "no"'}, {"guided_choice": ["a"]},
+                   {"tools": [WEATHER], "tool_choice": "required"}):
+        assert _check(fields) is None, fields
+
+
+def test_tools_kvgate_cannot_serve_are_400s():
+    bad_type = _chat(tools=[{"type": "custom", "function": {"name": "f"}}])
+    assert _refusal(tool_calls.check, bad_type.tools, "auto", "hermes").param == "tools.0.type"
+    twice = _chat(tools=[WEATHER, WEATHER])
+    assert _refusal(tool_calls.check, twice.tools, "auto", "hermes").param == "tools.1.function.name"
+    broken = _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}])
+    assert _refusal(tool_calls.check, broken.tools, "none", None).param == "tools.0.function.parameters"
+    err = _refusal(tool_calls.check, _chat(tools=[WEATHER]).tools, "auto", None)
+    assert err.param == "tool_choice" and "parser" in err.message
+    tool_calls.check(_chat(tools=[WEATHER]).tools, "required", None)  # forced: no parser needed
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"functions": [{"name": "f"}]}, "functions"), ({"function_call": "auto"}, "function_call"),
+    ({"audio": {"voice": "x"}}, "audio"), ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"web_search_options": {}}, "web_search_options"), ({"best_of": 3}, "best_of"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"reasoning_effort": "low"}, "reasoning_effort"),
+])
+def test_fields_that_would_be_ignored_are_refused_by_name(fields, param):
+    err = _refusal(check_supported, _chat(**fields))
+    assert err.status == 400 and err.param == param and param in err.message
+
+
+def test_labels_and_implemented_values_stay_accepted():
+    check_supported(_chat(user="u", metadata={"a": "b"}, store=False, service_tier="auto",
+                          safety_identifier="s", modalities=["text"], best_of=1, logprobs=True,
+                          top_logprobs=2, tools=[WEATHER], chat_template_kwargs={"enable_thinking": False}))
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x", "tools": [WEATHER]})
+    assert _refusal(check_supported, completion).param == "tools"
+    suffix = CompletionRequest.model_validate({"model": "m", "prompt": "x", "suffix": "end"})
+    assert _refusal(check_supported, suffix).param == "suffix"
+
+
+def test_template_kwargs_are_bounded_and_may_not_replace_the_templates_own_arguments():
+    for kwargs in ({"add_generation_prompt": False}, {"messages": []}, {"tools": []}, {"tokenize": True},
+                   {"x": "y" * 5000}, {f"k{i}": i for i in range(40)}):
+        with pytest.raises(ValidationError):
+            _chat(chat_template_kwargs=kwargs)
+
+
+def test_tool_messages_round_trip_onto_the_entry():
+    body = _chat(messages=[
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}])
+    assert [m.entry() for m in body.messages][1:] == [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "content": "-3 C", "tool_call_id": "call_1"}]
+    with pytest.raises(ValidationError):
+        _chat(messages=[{"role": "tool", "content": "no id"}])
+    with pytest.raises(ValidationError):
+        _chat(messages=[{"role": "user", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_output():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    one = tool_calls.ChoiceOutput(tp.make("hermes"), parallel=False).message(text)
+    both = tool_calls.ChoiceOutput(tp.make("hermes")).message(text)
+    assert [c["function"]["name"] for c in one["tool_calls"]] == ["a"]
+    assert [c["function"]["name"] for c in both["tool_calls"]] == ["a", "b"]
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled():
+    from gateway import bounds
+    deep = {"type": "integer"}
+    for _ in range(bounds.SCHEMA_DEPTH):
+        deep = {"type": "array", "items": deep}
+    started = time.monotonic()
+    err = _check({"guided_json": deep})
+    assert err.param == "guided_json" and "deeper than" in err.message
+    assert time.monotonic() - started < 5
+    assert structured.depth({"a": [1, {"b": {}}]}) == 4 and structured.depth(5) == 0
