@@ -226,27 +226,39 @@ def test_the_paged_engine_only_takes_structured_outputs(tiny_model_dir):
 
 
 def test_no_constraint_while_thinking_and_the_matcher_starts_when_thinking_ends(engine):
-    start, end, letter = 1500, 1501, engine.tokenizer.convert_tokens_to_ids("x")
-    engine.think_markers = ThinkMarkers(start, end)
-    try:
-        digits = StructuredOutputs(regex="[0-9]{2}")
-        thinking = run(engine, {"t": (PROMPT + [start], SamplingParams(
-            max_tokens=3, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits))})["t"][0]
-        assert thinking[0] == [letter] * 3  # free while thinking: the bias wins over the grammar
-        resumed = run(engine, {"r": (PROMPT + [start], SamplingParams(
-            max_tokens=12, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits),
-            Resume(output_ids={0: [letter, letter, end]}))})["r"][0]
-        assert re.fullmatch("[0-9]{2}", resumed[1]) and resumed[2] == "stop"  # constrained once it ended
-    finally:
-        engine.think_markers = None
+    """The demo template thinks (Qwen-style): its <think> and </think> are single tokens."""
+    start, end = engine.think_markers.start_id, engine.think_markers.end_id
+    letter = engine.tokenizer.convert_tokens_to_ids("x")
+    digits = StructuredOutputs(regex="[0-9]{2}")
+    thinking = run(engine, {"t": (PROMPT + [start], SamplingParams(
+        max_tokens=3, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits))})["t"][0]
+    assert thinking[0] == [letter] * 3  # free while thinking: the bias wins over the grammar
+    resumed = run(engine, {"r": (PROMPT + [start], SamplingParams(
+        max_tokens=12, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits),
+        Resume(output_ids={0: [letter, letter, end]}))})["r"][0]
+    assert re.fullmatch("[0-9]{2}", resumed[1]) and resumed[2] == "stop"  # constrained once it ended
+    answering = run(engine, {"a": (PROMPT + [start, letter, end], SamplingParams(
+        max_tokens=12, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits))})["a"][0]
+    assert re.fullmatch("[0-9]{2}", answering[1])  # thinking closed in the prompt: constrained at once
 
 
-def test_think_markers_come_from_the_vocabulary(engine):
-    assert think_markers(None, engine.tokenizer) is None  # the demo template does not think
+class _NoThinkTokenizer:
+    chat_template = "{{ '<think>' }}"  # implies qwen3, but the vocabulary lacks the markers
+    unk_token_id = 0
+
+    def convert_tokens_to_ids(self, token):
+        return self.unk_token_id
+
+
+def test_think_markers_come_from_the_template_and_the_vocabulary(engine):
+    tok = engine.tokenizer
+    assert think_markers(None, tok) == think_markers("qwen3", tok) == ThinkMarkers(
+        tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>"))
+    assert think_markers(None, _NoThinkTokenizer()) is None  # implied, not tokens: gate off
     with pytest.raises(ValueError, match="not tokens"):
-        think_markers("qwen3", engine.tokenizer)
+        think_markers("qwen3", _NoThinkTokenizer())  # configured, not tokens: refuse to start
     with pytest.raises(ValueError, match="unknown reasoning_parser"):
-        think_markers("nope", engine.tokenizer)
+        think_markers("nope", tok)
 
 
 def test_the_gate_follows_the_shared_thinking_rule(engine):
