@@ -56,6 +56,10 @@ def demo_model(directory: str) -> None:
               help="How the model marks its thinking [default: from the chat template]")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
               help="How the model writes tool calls [default: from the chat template]")
+@click.option("--structured-compile-timeout-s", type=float, default=None,
+              help="A grammar not compiled by then fails its request [default: 10]")
+@click.option("--structured-max-spec-bytes", type=int, default=None,
+              help="Largest schema, regex, choice list or grammar compiled [default: 65536]")
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
@@ -153,6 +157,18 @@ def bench() -> None:
 def bench_engine(model: str | None, quick: bool, out: str) -> None:
     """W1 throughput, W2 prefix cache, W3 KV efficiency: kvgate vs transformers, one process."""
     from kvgate.bench.engine import run_bench
+
+    run_bench(quick=quick, out_json=out, model_dir=model)
+
+
+@bench.command("structured")
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Model folder to measure [default: a random ~58M Llama built for the run]")
+@click.option("--quick", is_flag=True, help="16 requests instead of 64 (smoke check)")
+@click.option("--out", default="bench-out/structured.json", show_default=True)
+def bench_structured(model: str | None, quick: bool, out: str) -> None:
+    """JSON-schema constrained requests vs the same free, tokens/s per output token; compile ms."""
+    from kvgate.bench.structured import run_bench
 
     run_bench(quick=quick, out_json=out, model_dir=model)
 

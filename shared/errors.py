@@ -38,6 +38,12 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class InvalidStructuredOutput(InvalidRequest):
+    """A structured_outputs spec the worker could not compile (or not in time, or too large)."""
+
+    code = "invalid_structured_output"
+
+
 class AuthenticationFailed(KvgateError):
     status, type, code = 401, "authentication_error", "invalid_api_key"
 
@@ -112,8 +118,9 @@ class UnsupportedSchema(EngineFailure):
     code = "unsupported_schema"
 
 
-_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ContextLengthExceeded, AuthenticationFailed,
-                                      PermissionDenied, NotFound, Conflict, PayloadTooLarge, Unprocessable,
+_BY_CODE = {cls.code: cls for cls in (InvalidRequest, ContextLengthExceeded, InvalidStructuredOutput,
+                                      AuthenticationFailed, PermissionDenied, NotFound, Conflict,
+                                      PayloadTooLarge, Unprocessable,
                                       RateLimited, Overloaded, RequestTimeout, EngineFailure,
                                       QuotaExceeded, EngineStepFailed, ResumeFailed,
                                       RequestFailedRepeatedly, UnsupportedSchema)}

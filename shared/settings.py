@@ -127,6 +127,11 @@ class WorkerSettings(CommonSettings):
                                          "thinking goes to reasoning_content")
     tool_call_parser: str | None = Field(None, description="How the model writes tool calls (hermes, "
                                          "llama3; default: from the chat template)")
+    structured_compile_timeout_s: float = Field(10.0, gt=0, description="A structured_outputs grammar "
+                                                "not compiled by then ends its request with a 400 "
+                                                "(the batch never waits for a compile)")
+    structured_max_spec_bytes: int = Field(65536, ge=1, description="Largest JSON schema, regex, "
+                                           "choice list or grammar the worker compiles (larger: 400)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")

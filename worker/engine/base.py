@@ -22,6 +22,7 @@ MAX_N = 16  # choices per request: each is a sequence with its own KV
 
 class ModelFacts:
     kv_cache: KVCacheFacts | None = None  # the paged engine's pool; none in hf and synthetic
+    constrains = False  # compiles structured_outputs (the paged engine); the others refuse them
 
     def __init__(self, tokenizer, eos_token_ids, max_model_len: int, vocab_size: int):
         self._tokenizer = tokenizer
@@ -63,7 +64,20 @@ class ModelFacts:
         for index, ids in (resume.output_ids.items() if resume else ()):
             self._check_ids(f"token id resumed for choice {index}", ids, None, code="resume_failed")
         _check_numbers(params, self._vocab_size)
+        self._check_logit_bias(params.logit_bias or {})
+        if params.structured_outputs is not None and not self.constrains:
+            raise EngineRejected(f"structured_outputs need the paged engine; this worker runs "
+                                 f"{type(self).__name__}", "invalid_structured_output", "structured_outputs")
         return self._check_context(prompt_ids, params)
+
+    def _check_logit_bias(self, bias: dict[int, float]) -> None:
+        for token, value in bias.items():
+            if not (isinstance(token, int) and 0 <= token < self._vocab_size):
+                raise EngineRejected(f"logit_bias token id {token!r} is outside this model's vocabulary "
+                                     f"[0, {self._vocab_size})", "invalid_request", "logit_bias")
+            if not math.isfinite(value):
+                raise EngineRejected(f"logit_bias for token id {token} must be a finite number; got "
+                                     f"{value!r}", "invalid_request", "logit_bias")
 
     def _check_ids(self, what: str, ids: list[int], param: str | None,
                    code: str = "invalid_request") -> None:

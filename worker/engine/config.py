@@ -28,6 +28,9 @@ class EngineConfig:
     enforce_eager: bool = False  # vLLM's name: True turns off CUDA graphs for decode steps
     max_cuda_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)
     pad_decode_eagerly: bool = False  # tests: decode steps take the graphs' padded buffers, uncaptured
+    structured_compile_timeout_s: float = 10.0  # a grammar not compiled by then fails its request
+    structured_max_spec_bytes: int = 65536  # larger schemas, regexes, choices or grammars are refused
+    reasoning_parser: str | None = None  # shared/reasoning.py's name; None: from the chat template
 
     def __post_init__(self):
         """A step's length bounds how long a new prompt waits for its first token. A GPU runs 2,048

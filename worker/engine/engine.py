@@ -6,6 +6,9 @@ A failure stays with its request: whatever raises for one sequence (sampling, st
 detokenizing) ends that request alone with an error output; a forward pass that raises cannot be
 blamed on one request, so every request in that step ends with a retryable error and the rest of
 the engine goes on.
+A request with structured_outputs first waits for its grammar (compiling.py) outside the scheduler;
+each of its choices then gets a matcher (constraint.py) whose bitmask the sampler applies and which
+accepts every token the choice emits; a grammar that ends finishes the choice with "stop".
 """
 from __future__ import annotations
 
@@ -13,18 +16,26 @@ from pathlib import Path
 
 from worker.engine.base import ModelFacts, log, request_error, step_error
 from worker.engine.block_pool import BlockPool
+from worker.engine.compiling import CompilingRequests
 from worker.engine.config import EngineConfig
+from worker.engine.constraint import Constraint, think_markers
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import Scheduler
 from worker.engine.sequence import Sequence
 from worker.engine.stopping import check_finish, release_text
+from worker.engine.structured import Grammars
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.config import read_model_config
 
 
+IDLE_COMPILE_WAIT_S = 0.05  # an empty step waits this long for a grammar instead of spinning
+
+
 class LLMEngine(ModelFacts):
+    constrains = True
+
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = read_model_config(config.model_dir)
@@ -38,6 +49,9 @@ class LLMEngine(ModelFacts):
         self.scheduler = Scheduler(config, self.pool)
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[RequestOutput] = []  # reported on the next step
+        self.grammars = Grammars(tokenizer, self.vocab_size, eos_ids, config.structured_max_spec_bytes)
+        self.compiling = CompilingRequests(config.structured_compile_timeout_s)
+        self.think_markers = think_markers(config.reasoning_parser, tokenizer)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **overrides) -> LLMEngine:
@@ -53,6 +67,8 @@ class LLMEngine(ModelFacts):
         self.check_request(prompt_ids, params, resume)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
+        spec = params.structured_outputs
+        grammar = self.grammars.submit(spec) if spec is not None else None  # refuses an oversized spec
         resume = resume or Resume()
         seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)
                 if i not in resume.finished]
@@ -62,30 +78,35 @@ class LLMEngine(ModelFacts):
             for token in resume.output_ids.get(seq.index, []):  # one at a time, as first released
                 seq.append_token(token)
                 seq.detokenizer.add([token])
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if grammar is not None and seqs:  # waits for its grammar outside the batch
+            self.compiling.add(request_id, grammar, seqs)
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         self.requests[request_id] = seqs
 
     def abort(self, request_id: str) -> None:
         """Blocks are freed now; each unfinished choice reports finish_reason "abort" next step."""
+        self.compiling.remove(request_id)
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 self._aborted.append(self._output(seq, [], "", None))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self.compiling)
 
     def free_capacity(self) -> int:
         """Sequence slots left, bounded by free blocks not already owed to waiting prompts."""
         waiting, running = self.scheduler.waiting, self.scheduler.running
-        slots = self.config.max_num_seqs - len(running) - len(waiting)
+        slots = self.config.max_num_seqs - len(running) - len(waiting) - self.compiling.num_seqs
         blocks = self.pool.num_free_blocks - sum(self.pool.blocks_for(s.num_tokens) for s in waiting)
         return max(0, min(slots, blocks))
 
     def stats(self) -> dict:
         return {
-            "num_running": len(self.scheduler.running), "num_waiting": len(self.scheduler.waiting),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting) + self.compiling.num_seqs,
             "kv_usage": self.pool.usage, "prefix_cache_queries": self.pool.num_queries,
             "prefix_cache_hits": self.pool.num_hits, "num_preemptions": self.scheduler.num_preemptions,
             "num_free_blocks": self.pool.num_free_blocks, "num_blocks": self.pool.num_blocks,
@@ -93,8 +114,10 @@ class LLMEngine(ModelFacts):
 
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
+        outputs += self._start_compiled()
         batch = self.scheduler.schedule()
         if not batch:
+            self.compiling.wait(IDLE_COMPILE_WAIT_S)
             return outputs
         try:
             sampled = self.runner.run(batch)
@@ -112,6 +135,30 @@ class LLMEngine(ModelFacts):
             except Exception as exc:
                 outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
         return outputs
+
+    def _start_compiled(self) -> list[RequestOutput]:
+        """Requests whose grammar is ready enter the scheduler; a failed compile ends its request."""
+        outputs = []
+        for seqs, grammar in self.compiling.settled():
+            error = grammar if isinstance(grammar, RequestError) else self._constrain(seqs, grammar)
+            if error is not None:
+                outputs.append(self._fail_request(seqs[0], error))
+                continue
+            for seq in seqs:
+                self.scheduler.add(seq)
+        return outputs
+
+    def _constrain(self, seqs: list[Sequence], grammar) -> RequestError | None:
+        """A matcher per choice, a resumed one fed the tokens it already emitted."""
+        try:
+            for seq in seqs:
+                seq.constraint = Constraint(grammar, seq.prompt_ids, self.think_markers)
+                if not seq.constraint.replay(seq.output_ids):
+                    return RequestError("resume_failed", "the tokens this request already emitted do "
+                                        "not match its structured_outputs grammar")
+        except Exception as exc:
+            return request_error(seqs[0].request_id, exc)
+        return None
 
     def _fail_step(self, batch, exc: Exception) -> list[RequestOutput]:
         """End every request of the failed step with a retryable error and free its blocks. The
@@ -137,7 +184,11 @@ class LLMEngine(ModelFacts):
 
     def _on_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         seq.append_token(token)
+        if seq.constraint is not None and not seq.constraint.accept(token):
+            raise ValueError(f"the grammar refused sampled token {token}")  # the mask forbade it
         reason = check_finish(token, len(seq.output_ids), seq.params, self._eos_token_ids)
+        if seq.constraint is not None and seq.constraint.terminated:
+            reason = "stop"  # the grammar ended (its stop token accepted)
         text, reason = release_text(seq.detokenizer, token, reason, seq.params.include_stop_str_in_output)
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -153,4 +204,5 @@ class LLMEngine(ModelFacts):
             logprobs=[logprob] if logprob is not None else None,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_ids),
         )
+
 

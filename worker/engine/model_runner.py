@@ -163,7 +163,7 @@ class ModelRunner:
                 return []  # only partial prefill chunks: nothing to sample yet
             logits = self.model.compute_logits(hidden[inputs.sample_tokens])
         seqs = [batch[r][0] for r in inputs.sample_rows]
-        rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.index) for s in seqs]
+        rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.index, s.constraint) for s in seqs]
         tokens, logprobs = self.sampler.sample(logits, rows)
         return list(zip(seqs, tokens, logprobs))
 

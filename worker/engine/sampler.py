@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per row, vectorised over the batch.
 
-Order per row: penalties -> min_tokens mask -> greedy argmax, or temperature -> top-k -> top-p
+Order per row: penalties -> logit_bias -> min_tokens mask -> grammar mask -> greedy argmax, or temperature -> top-k -> top-p
 -> min-p -> a draw. Top-k and top-p work on a shortlist of the row's best tokens (shortlist.py), never
 a sort of the whole vocabulary. Logprobs come from the raw logits, as vLLM's default.
 Seeded rows draw token i by an exponential race with noise from a generator keyed by
@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.engine.constraint import Constraint
+from worker.engine.logit_rules import GrammarMasks, apply_logit_bias
 from worker.engine.shortlist import shortlist, take_rows
 from worker.engine.types import SamplingParams, TokenLogprob
 
@@ -25,6 +27,7 @@ class SampleRow:
     prompt_ids: list[int]
     output_ids: list[int]
     choice_index: int = 0
+    constraint: Constraint | None = None  # the choice's grammar state, when it has one
 
     @property
     def step(self) -> int:
@@ -41,6 +44,7 @@ class Sampler:
     def __init__(self, eos_token_ids: Iterable[int]):
         self.eos_token_ids = sorted(set(eos_token_ids))
         self._shared: dict[torch.device, torch.Generator] = {}
+        self._grammar_masks = GrammarMasks()
 
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow]
@@ -48,7 +52,9 @@ class Sampler:
         logits = logits.to(torch.float32, copy=True)  # masks below write in place
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
+        logits = apply_logit_bias(logits, rows)
         logits = self._mask_early_stops(logits, rows)
+        logits = self._grammar_masks(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [r for r, row in enumerate(rows) if row.params.greedy]
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]

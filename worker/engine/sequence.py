@@ -8,6 +8,7 @@ from worker.engine.types import SamplingParams
 
 
 class SequenceStatus(Enum):
+    COMPILING = "compiling"  # waits for its grammar, outside the scheduler (compiling.py)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -31,6 +32,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of prompt + output
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.detokenizer = None  # set by the engine
+        self.constraint = None  # its grammar state (constraint.py), set once the grammar compiled
 
     @property
     def num_prompt_tokens(self) -> int:

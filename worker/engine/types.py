@@ -22,6 +22,7 @@ class RequestError:
     code: str  # a shared.errors code: engine_error, engine_step_failed, ...
     message: str
     retryable: bool = False  # the same request may succeed if sent again
+    param: str | None = None  # the request field at fault, where one is
 
 
 @dataclass

@@ -1,0 +1,287 @@
+"""Structured outputs in the paged engine, on the tiny random model: random weights write valid JSON,
+regexes and choices only because the grammar masks every other token."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from shared.sampling import StructuredOutputs
+from worker.engine.constraint import Constraint, ThinkMarkers, think_markers
+from worker.engine.engine import LLMEngine
+from worker.engine.types import EngineRejected, Resume, SamplingParams
+
+PROMPT = [5, 17, 301, 42, 999, 7]
+SCHEMAS = {
+    "person": {
+        "type": "object", "additionalProperties": False, "required": ["name", "age", "role"],
+        "properties": {"name": {"type": "string", "maxLength": 8},
+                       "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                       "role": {"enum": ["admin", "user", "guest"]}},
+    },
+    "order": {
+        "type": "object", "additionalProperties": False, "required": ["id", "items", "paid"],
+        "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 9999}, "paid": {"type": "boolean"},
+            "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+                "type": "object", "additionalProperties": False, "required": ["sku", "qty"],
+                "properties": {"sku": {"enum": ["A1", "B2", "C3"]},
+                               "qty": {"type": "integer", "minimum": 1, "maximum": 9}}}},
+        },
+    },
+    "point": {
+        "type": "object", "additionalProperties": False, "required": ["x", "y", "tags"],
+        "properties": {"x": {"type": "number", "minimum": -10, "maximum": 10},
+                       "y": {"type": "number", "minimum": -10, "maximum": 10},
+                       "tags": {"type": "array", "maxItems": 2, "items": {"type": "string", "maxLength": 4}}},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=512)
+
+
+def json_params(schema: dict, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 120, "temperature": 1.0, **kw},
+                          structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+
+
+def run(engine, requests: dict) -> dict:
+    """{request id: (prompt, params[, resume])} all at once -> {id: {choice: [ids, text, reason, error]}}."""
+    for rid, (prompt, params, *resume) in requests.items():
+        engine.add_request(rid, prompt, params, *resume)
+    out: dict = {rid: {} for rid in requests}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got = out[o.request_id].setdefault(o.index, [[], "", None, None])
+            got[0] += o.new_token_ids
+            got[1] += o.text
+            got[2], got[3] = o.finish_reason, o.error or got[3]
+    return out
+
+
+def test_json_schema_outputs_validate_across_seeds_and_schemas(engine):
+    requests = {f"{name}-{seed}": (PROMPT, json_params(schema, seed=seed))
+                for name, schema in SCHEMAS.items() for seed in range(6)}
+    for rid, choices in run(engine, requests).items():
+        ids, text, reason, error = choices[0]
+        assert error is None and reason == "stop", (rid, text, reason)
+        jsonschema.validate(json.loads(text), SCHEMAS[rid.split("-")[0]])
+
+
+def test_json_object_regex_and_choice_hold(engine):
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    colours = ["red", "green", "light blue"]
+    out = run(engine, {
+        "obj": (PROMPT, SamplingParams(max_tokens=80, temperature=0.0,
+                                       structured_outputs=StructuredOutputs(json_object=True))),
+        "re": (PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                                      structured_outputs=StructuredOutputs(regex=regex))),
+        "choice": (PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=4,
+                                          structured_outputs=StructuredOutputs(choice=colours))),
+        "ebnf": (PROMPT, SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=StructuredOutputs(
+            grammar='root ::= "yes" | "no" | "maybe " [0-9]'))),
+    })
+    obj = out["obj"][0]
+    if obj[2] == "stop":  # any object may run long; when it ended, it is one
+        assert isinstance(json.loads(obj[1]), dict)
+    else:
+        assert obj[1].startswith("{") and obj[2] == "length"
+    assert re.fullmatch(regex, out["re"][0][1]) and out["re"][0][2] == "stop"
+    assert out["choice"][0][1] in colours and out["choice"][0][2] == "stop"
+    assert re.fullmatch(r"yes|no|maybe [0-9]", out["ebnf"][0][1])
+
+
+def test_each_of_n_choices_has_its_own_matcher(engine):
+    out = run(engine, {"n": (PROMPT, json_params(SCHEMAS["person"], seed=9, n=2))})["n"]
+    assert set(out) == {0, 1}
+    texts = [out[i][1] for i in (0, 1)]
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMAS["person"])
+    assert texts[0] != texts[1]  # two draws, not one matcher shared
+
+
+def test_max_tokens_inside_a_structure_ends_with_length(engine):
+    ids, text, reason, _ = run(engine, {"cut": (PROMPT, json_params(SCHEMAS["order"], seed=1, max_tokens=5))})["cut"][0]
+    assert reason == "length" and len(ids) == 5 and text.startswith("{")
+
+
+def test_seeded_constrained_request_is_the_same_alone_and_in_a_batch(engine):
+    params = json_params(SCHEMAS["order"], seed=21)
+    alone = run(engine, {"a": (PROMPT, params)})["a"][0][0]
+    batch = run(engine, {"b": (PROMPT, params), "x": (PROMPT[:3], json_params(SCHEMAS["point"], seed=2)),
+                         "y": ([9, 8, 7, 6], SamplingParams(max_tokens=30, temperature=1.0, seed=5))})
+    assert batch["b"][0][0] == alone
+
+
+def test_free_rows_tokens_are_identical_without_the_constrained_rows(engine):
+    free = {f"f{i}": ([11 + i, 200, 300 + i], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+            for i in range(3)}
+    alone = run(engine, free)
+    constrained = {f"c{i}": (PROMPT, json_params(SCHEMAS["person"], seed=i, temperature=0.0 if i else 1.0))
+                   for i in range(3)}
+    mixed = run(engine, {**free, **constrained})
+    for rid in free:
+        assert mixed[rid][0][0] == alone[rid][0][0]
+    for rid in constrained:
+        jsonschema.validate(json.loads(mixed[rid][0][1]), SCHEMAS["person"])
+
+
+def test_a_preempted_constrained_request_stays_valid(tiny_model_dir):
+    small = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=12, block_size=4)
+    prompts = [[20 + i] * 6 for i in range(4)]
+    out = run(small, {f"p{i}": (p, json_params(SCHEMAS["order"], seed=i, max_tokens=36)) for i, p in enumerate(prompts)})
+    assert small.stats()["num_preemptions"] > 0
+    for rid, choices in out.items():
+        ids, text, reason, error = choices[0]
+        assert error is None
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), SCHEMAS["order"])
+    whole = run(LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=512),
+                {f"p{i}": (p, json_params(SCHEMAS["order"], seed=i, max_tokens=36)) for i, p in enumerate(prompts)})
+    assert {r: c[0][0] for r, c in out.items()} == {r: c[0][0] for r, c in whole.items()}  # seeded: same draws
+
+
+def test_resume_from_half_the_tokens_continues_exactly(engine):
+    params = json_params(SCHEMAS["order"], seed=13, n=2)
+    whole = run(engine, {"w": (PROMPT, params)})["w"]
+    cut = {i: ids[:len(ids) // 2] for i, (ids, *_) in whole.items()}
+    resumed = run(engine, {"r": (PROMPT, params, Resume(output_ids=cut))})["r"]
+    for i, (ids, _, reason, error) in whole.items():
+        assert error is None and resumed[i][3] is None
+        assert cut[i] + resumed[i][0] == ids and resumed[i][2] == reason == "stop"
+
+
+def test_resumed_tokens_the_grammar_refuses_end_that_request(engine):
+    bad = Resume(output_ids={0: [5, 6, 7]})  # not how any JSON object starts
+    out = run(engine, {"r": (PROMPT, json_params(SCHEMAS["person"], seed=1), bad)})["r"][0]
+    assert out[2] == "error" and out[3].code == "resume_failed"
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutputs(json='{"type": "nonsense"}'), "json could not be compiled"),
+    (StructuredOutputs(regex="(unclosed"), "regex could not be compiled"),
+    (StructuredOutputs(grammar="root ::= missing_rule"), "grammar could not be compiled"),
+])
+def test_a_bad_spec_fails_its_request_alone(engine, spec, words):
+    out = run(engine, {
+        "bad": (PROMPT, SamplingParams(max_tokens=10, structured_outputs=spec)),
+        "good": (PROMPT, json_params(SCHEMAS["person"], seed=3)),
+        "free": (PROMPT, SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)),
+    })
+    error = out["bad"][0][3]
+    assert out["bad"][0][2] == "error" and error.code == "invalid_structured_output"
+    assert words in error.message and error.param == "structured_outputs"
+    assert "/project/" not in error.message  # xgrammar's log prefix is cut
+    jsonschema.validate(json.loads(out["good"][0][1]), SCHEMAS["person"])
+    assert len(out["free"][0][0]) == 5
+    again = run(engine, {"again": (PROMPT, SamplingParams(max_tokens=10, structured_outputs=spec))})
+    assert again["again"][0][3].code == "invalid_structured_output"  # remembered, refused again
+
+
+@pytest.mark.parametrize("spec, words", [
+    (StructuredOutputs(json="{not json"), "not valid JSON"),
+    (StructuredOutputs(choice=[]), "non-empty list"),
+    (StructuredOutputs(regex="a", choice=["a"]), "exactly one"),
+    (StructuredOutputs(json=json.dumps({"enum": ["x" * 70_000]})), "structured_max_spec_bytes"),
+    (StructuredOutputs(json='{"items": ' * 65 + '{}' + '}' * 65), "deeper than 64 levels"),
+])
+def test_refused_at_add_request_without_a_trace(engine, spec, words):
+    with pytest.raises(EngineRejected, match=words) as caught:
+        engine.add_request("r", PROMPT, SamplingParams(structured_outputs=spec))
+    assert caught.value.code == "invalid_structured_output" and caught.value.param == "structured_outputs"
+    assert not engine.has_unfinished() and "r" not in engine.requests
+
+
+def test_a_compile_past_its_time_bound_fails_its_request(tiny_model_dir):
+    quick = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64,
+                                     structured_compile_timeout_s=1e-4)
+    big = {"type": "object", "required": [f"k{i}" for i in range(80)],
+           "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{3,40}"} for i in range(80)}}
+    out = run(quick, {"slow": (PROMPT, json_params(big)),
+                      "free": (PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))})
+    assert out["slow"][0][3].code == "invalid_structured_output"
+    assert "structured_compile_timeout_s" in out["slow"][0][3].message
+    assert len(out["free"][0][0]) == 4
+
+
+def test_the_compile_cache_compiles_each_spec_once(engine):
+    before = len(engine.grammars.compile_seconds)
+    spec = {"type": "object", "required": ["only"], "properties": {"only": {"enum": [1, 2]}}}
+    run(engine, {f"c{i}": (PROMPT, json_params(spec, seed=i)) for i in range(3)})
+    run(engine, {"c4": (PROMPT, json_params(spec, seed=4))})
+    assert len(engine.grammars.compile_seconds) == before + 1
+
+
+def test_the_paged_engine_only_takes_structured_outputs(tiny_model_dir):
+    from worker.engine.hf_engine import HFEngine
+
+    hf = HFEngine.from_model_dir(tiny_model_dir, device="cpu")
+    with pytest.raises(EngineRejected, match="paged engine"):
+        hf.add_request("r", PROMPT, json_params(SCHEMAS["person"]))
+
+
+def test_no_constraint_while_thinking_and_the_matcher_starts_when_thinking_ends(engine):
+    """The demo template thinks (Qwen-style): its <think> and </think> are single tokens."""
+    start, end = engine.think_markers.start_id, engine.think_markers.end_id
+    letter = engine.tokenizer.convert_tokens_to_ids("x")
+    digits = StructuredOutputs(regex="[0-9]{2}")
+    thinking = run(engine, {"t": (PROMPT + [start], SamplingParams(
+        max_tokens=3, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits))})["t"][0]
+    assert thinking[0] == [letter] * 3  # free while thinking: the bias wins over the grammar
+    resumed = run(engine, {"r": (PROMPT + [start], SamplingParams(
+        max_tokens=12, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits),
+        Resume(output_ids={0: [letter, letter, end]}))})["r"][0]
+    assert re.fullmatch("[0-9]{2}", resumed[1]) and resumed[2] == "stop"  # constrained once it ended
+    answering = run(engine, {"a": (PROMPT + [start, letter, end], SamplingParams(
+        max_tokens=12, temperature=0.0, logit_bias={letter: 100.0}, structured_outputs=digits))})["a"][0]
+    assert re.fullmatch("[0-9]{2}", answering[1])  # thinking closed in the prompt: constrained at once
+
+
+class _NoThinkTokenizer:
+    chat_template = "{{ '<think>' }}"  # implies qwen3, but the vocabulary lacks the markers
+    unk_token_id = 0
+
+    def convert_tokens_to_ids(self, token):
+        return self.unk_token_id
+
+
+def test_think_markers_come_from_the_template_and_the_vocabulary(engine):
+    tok = engine.tokenizer
+    assert think_markers(None, tok) == think_markers("qwen3", tok) == ThinkMarkers(
+        tok.convert_tokens_to_ids("<think>"), tok.convert_tokens_to_ids("</think>"))
+    assert think_markers(None, _NoThinkTokenizer()) is None  # implied, not tokens: gate off
+    with pytest.raises(ValueError, match="not tokens"):
+        think_markers("qwen3", _NoThinkTokenizer())  # configured, not tokens: refuse to start
+    with pytest.raises(ValueError, match="unknown reasoning_parser"):
+        think_markers("nope", tok)
+
+
+def test_the_gate_follows_the_shared_thinking_rule(engine):
+    grammar = engine.grammars.submit(StructuredOutputs(regex="[0-9]+")).result()
+    markers = ThinkMarkers(1500, 1501)
+    assert Constraint(grammar, [1, 2, 3], markers).active  # no marker: answering
+    assert not Constraint(grammar, [1, 1500, 3], markers).active  # the template opened <think>
+    assert Constraint(grammar, [1, 1500, 1501, 3], markers).active  # and closed it (thinking off)
+    opened = Constraint(grammar, [1, 1501, 1500], markers)
+    assert not opened.active and opened.accept(7) and opened.accept(1501) and opened.active
+
+
+def test_abort_while_the_grammar_compiles(engine):
+    spec = StructuredOutputs(json=json.dumps({"type": "object", "required": ["abort_me"],
+                                              "properties": {"abort_me": {"type": "integer"}}}))
+    engine.add_request("a", PROMPT, SamplingParams(n=2, structured_outputs=spec))
+    assert engine.stats()["num_waiting"] == 2
+    engine.abort("a")
+    outs = engine.step()
+    assert sorted((o.index, o.finish_reason) for o in outs) == [(0, "abort"), (1, "abort")]
+    assert not engine.has_unfinished() and engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_a_resumed_request_whose_choices_all_ended_leaves_nothing_waiting(engine):
+    engine.add_request("done", PROMPT, json_params(SCHEMAS["person"], n=2), Resume(finished={0, 1}))
+    assert engine.step() == [] and not engine.has_unfinished()

@@ -1,0 +1,156 @@
+"""Grammars for structured outputs: a request's spec (JSON schema, any JSON object, regex, choice or
+EBNF) compiled by xgrammar against the model's vocabulary, off the step loop, once per distinct spec.
+
+Compiles run on a small thread pool (xgrammar releases the GIL while it compiles), so a slow one
+delays only its own request, which waits outside the batch until its grammar is ready. Results are
+kept in a bounded LRU keyed by a hash of the spec; a failed compile is remembered as well, so a bad
+spec sent again fails at once. xgrammar is imported lazily: the GPU image has no xgrammar and an
+engine without constrained requests never needs it (tests/ops/test_gpu_image_imports.py).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from shared.sampling import StructuredOutputs
+from worker.engine.types import EngineRejected
+
+CODE = "invalid_structured_output"  # shared/errors.py maps it to a 400
+PARAM = "structured_outputs"
+MAX_DEPTH = 64  # JSON nesting of a schema, as gateway/bounds.py's SCHEMA_DEPTH: depth 1000 compiles for 40 s
+CACHE_SIZE = 256  # compiled grammars kept; a JSON schema's is ~100 KB for a 32k vocabulary
+COMPILE_THREADS = 2
+# xgrammar 0.2.9 writes a string with maxLength/minLength as characters [^"\\\r\n]: raw control
+# characters (invalid JSON, refused by json.loads); its unbounded strings exclude \0-\x1f, as here
+LAX_STRING_CHAR, STRICT_STRING_CHAR = r'[^\"\\\r\n]', r'[^\0-\x1f\"\\]'
+_XGRAMMAR_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # "[00:28:09] /project/cpp/x.cc:94: "
+
+
+def the_spec(spec: StructuredOutputs) -> tuple[str, str | bool | list[str]]:
+    """(kind, value) of the one field set; refuses none or several."""
+    set_ = [(k, v) for k, v in (("json", spec.json), ("json_object", spec.json_object or None),
+                                ("regex", spec.regex), ("choice", spec.choice), ("grammar", spec.grammar))
+            if v is not None]
+    if len(set_) != 1:
+        names = ", ".join(k for k, _ in set_) or "none"
+        raise EngineRejected(f"structured_outputs must set exactly one of json, json_object, regex, "
+                             f"choice, grammar; got {names}", CODE, PARAM)
+    return set_[0]
+
+
+def check_spec(spec: StructuredOutputs, max_bytes: int) -> str:
+    """What can be refused before compiling (size, JSON syntax, an empty choice); returns the
+    cache key."""
+    kind, value = the_spec(spec)
+    text = json.dumps(value) if kind in ("choice", "json_object") else value
+    size = len(text.encode())
+    if size > max_bytes:
+        raise EngineRejected(f"the structured_outputs {kind} is {size} bytes; at most {max_bytes} "
+                             "(structured_max_spec_bytes) are compiled", CODE, PARAM)
+    if kind == "json":
+        try:
+            schema = json.loads(value)
+        except (ValueError, RecursionError) as exc:
+            raise EngineRejected(f"structured_outputs json is not valid JSON: {exc}", CODE, PARAM) from None
+        if _depth(schema) > MAX_DEPTH:
+            raise EngineRejected(f"the structured_outputs json schema nests deeper than {MAX_DEPTH} levels",
+                                 CODE, PARAM)
+    if kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
+        raise EngineRejected("structured_outputs choice must be a non-empty list of non-empty strings",
+                             CODE, PARAM)
+    return hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).hexdigest()
+
+
+def _depth(value) -> int:
+    """How deep JSON containers nest (iteratively: a deep one must not blow the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def json_schema_ebnf(schema: str) -> str:
+    """The schema's grammar with fixed separators (with any whitespace allowed, a model may pad a
+    structure until max_tokens: vLLM's disable_any_whitespace) and strict JSON string characters."""
+    import xgrammar as xgr
+
+    ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+    return ebnf.replace(LAX_STRING_CHAR, STRICT_STRING_CHAR)
+
+
+def compile_error(spec: StructuredOutputs, exc: BaseException) -> str:
+    """xgrammar's message without its log prefix, naming the spec's kind."""
+    kind, _ = the_spec(spec)
+    detail = _XGRAMMAR_PREFIX.sub("", str(exc).strip()) or type(exc).__name__
+    return f"the structured_outputs {kind} could not be compiled: {detail}"
+
+
+class Grammars:
+    """The compiler for one model's vocabulary, its thread pool and its LRU of compiled grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_spec_bytes: int):
+        self._tokenizer, self._vocab_size = tokenizer, vocab_size
+        self._eos_token_ids = sorted(eos_token_ids)
+        self.max_spec_bytes = max_spec_bytes
+        self._compiler = None  # built on the first constrained request
+        self._compiler_lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
+        self._cache: OrderedDict[str, Future] = OrderedDict()
+        self.compile_seconds: list[float] = []  # each compile's wall time (the benchmark reads it)
+
+    def submit(self, spec: StructuredOutputs) -> Future:
+        """The compiled grammar's future: cached (done) or compiling now on the pool."""
+        key = check_spec(spec, self.max_spec_bytes)
+        future = self._cache.get(key)
+        if future is None:
+            future = self._pool.submit(self._compile, spec)
+            self._cache[key] = future
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return future
+
+    def _compile(self, spec: StructuredOutputs):
+        start = time.perf_counter()
+        compiler = self.compiler()
+        kind, value = the_spec(spec)
+        try:
+            if kind == "json":
+                grammar = compiler.compile_grammar(json_schema_ebnf(value))
+            elif kind == "json_object":
+                grammar = compiler.compile_grammar(json_schema_ebnf('{"type": "object"}'))
+            elif kind == "regex":
+                grammar = compiler.compile_regex(value)
+            elif kind == "choice":
+                literals = " | ".join(json.dumps(c, ensure_ascii=False) for c in value)
+                grammar = compiler.compile_grammar(f"root ::= {literals}")
+            else:
+                grammar = compiler.compile_grammar(value)
+        except Exception as exc:
+            raise EngineRejected(compile_error(spec, exc), CODE, PARAM) from None
+        self.compile_seconds.append(time.perf_counter() - start)
+        return grammar
+
+    def compiler(self):
+        """xgrammar's compiler, its TokenizerInfo built from the HF tokenizer with the model's
+        vocabulary size (embedding rows past the tokenizer's are never allowed), as vLLM does."""
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+        return self._compiler
+
+    def _build_compiler(self):
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                  stop_token_ids=self._eos_token_ids)
+        # our LRU bounds what is kept; xgrammar's own cache would grow without one
+        return xgr.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
