@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 
 from gateway.bounds import SCHEMA_DEPTH
-from shared.errors import InvalidRequest
+from shared.errors import InvalidRequest, InvalidStructuredOutput
 from shared.sampling import StructuredOutputs
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
@@ -147,9 +147,8 @@ async def check(constraint: Constraint, timeout_s: float) -> None:
         await asyncio.wait_for(asyncio.to_thread(_checked, so.json, so.regex, so.grammar, param),
                                timeout_s)
     except asyncio.TimeoutError:
-        raise InvalidRequest(f"{param} did not compile within {timeout_s:g} s; simplify it",
-                             param=param, code="invalid_grammar") from None
+        raise InvalidStructuredOutput(f"{param} did not compile within {timeout_s:g} s; simplify it",
+                                      param=param) from None
     except RuntimeError as exc:  # xgrammar's parse errors: "[time] file.cc:line: what went wrong"
         problem = str(exc).strip().split(": ", 1)[-1]
-        raise InvalidRequest(f"{param} does not compile: {problem}", param=param,
-                             code="invalid_grammar") from None
+        raise InvalidStructuredOutput(f"{param} does not compile: {problem}", param=param) from None

@@ -39,7 +39,8 @@ class ContextLengthExceeded(InvalidRequest):
 
 
 class InvalidStructuredOutput(InvalidRequest):
-    """A structured_outputs spec the worker could not compile (or not in time, or too large)."""
+    """A structured-output constraint that does not compile (or not in time, or too large): found by
+    the gateway's check before queueing, or by the worker's compile."""
 
     code = "invalid_structured_output"
 

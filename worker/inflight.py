@@ -137,7 +137,7 @@ class InFlight:
             log.error("abort of failed request %s raised (%s)", request_id, type(exc).__name__,
                       exc_info=exc)
         self.outbox.error(act.reply_channel, request_id, act.next_seq(), act.version, error.code,
-                          error.message)
+                          error.message, error.param)
         self.outbox.finish(act.entry_id, request_id, act.stream)
         self.metrics.rejected(request_id, error.code, when=FAILED)
 

@@ -25,8 +25,9 @@ class Constraint:
 
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.markers = markers
-        # the same rule the worker splits reasoning text by (shared/reasoning.py)
-        self.thinking = markers is not None and thinking(prompt_ids, markers.start_id, markers.end_id)
+        # the rule the worker splits reasoning text by (shared/reasoning.py): thinking at the start
+        # when the prompt opened it, until the first end marker (accept), never again
+        self.thinking = markers is not None and thinking(prompt_ids, (), markers.start_id, markers.end_id)
 
     @property
     def active(self) -> bool:
