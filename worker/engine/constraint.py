@@ -64,9 +64,11 @@ def think_markers(parser: str | None, tokenizer) -> ThinkMarkers | None:
         return None
     if name not in reasoning.PARSERS:
         raise ValueError(f"unknown reasoning_parser {name!r}: one of {', '.join(reasoning.PARSERS)}")
+    from worker.engine.tokenizer import marker_ids
+
     markers = reasoning.PARSERS[name]
-    ids = [tokenizer.convert_tokens_to_ids(m) for m in (markers.start, markers.end)]
-    if any(i is None or i == tokenizer.unk_token_id for i in ids):
+    ids = marker_ids(tokenizer, (markers.start, markers.end))  # as the worker's split reads them
+    if ids is None:
         if parser is None:
             return None
         raise ValueError(f"reasoning_parser {name!r}: {markers.start} and {markers.end} are not "
