@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.sampling import SCHEMA_DEPTH  # noqa: F401  (the engine checks it too)
+
 
 @dataclass(frozen=True)
 class Bound:
@@ -37,7 +39,6 @@ PRIORITY = 100
 LOGIT_BIAS = 300  # token ids a request may bias, as OpenAI allows
 LOGIT_BIAS_VALUE = 100
 SCHEMA_CHARS = 1 << 15  # a JSON schema's text (response_format, structured_outputs, a tool's parameters)
-SCHEMA_DEPTH = 64  # JSON nesting of a schema: compile time grows steeply with it (depth 1000: 40 s)
 REGEX_CHARS = 4096
 GRAMMAR_CHARS = 1 << 15
 CHOICES = 256

@@ -14,7 +14,7 @@ import orjson
 
 from gateway.bounds import SCHEMA_DEPTH
 from shared.errors import InvalidRequest, InvalidStructuredOutput
-from shared.sampling import StructuredOutputs
+from shared.sampling import StructuredOutputs, json_depth
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
@@ -79,17 +79,6 @@ def one(constraints: list[Constraint]) -> Constraint | None:
     return constraints[0] if constraints else None
 
 
-def depth(value: Any) -> int:
-    """How deep JSON containers nest in `value` (iteratively: a deep one must not blow the stack)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
-
-
 def meta_check(schema: Any, param: str) -> None:
     """400 unless `schema` is a valid JSON schema (checked against its own meta-schema), nested
     no deeper than SCHEMA_DEPTH."""
@@ -98,7 +87,7 @@ def meta_check(schema: Any, param: str) -> None:
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequest(f"{param}: a JSON schema must be an object", param=param,
                              code="invalid_schema")
-    if depth(schema) > SCHEMA_DEPTH:
+    if json_depth(schema) > SCHEMA_DEPTH:
         raise InvalidRequest(f"{param}: the schema nests deeper than {SCHEMA_DEPTH} levels",
                              param=param, code="invalid_schema")
     try:

@@ -16,6 +16,20 @@ GREEDY_TEMPERATURE = 1e-5
 OPTIONAL, ON_ENTRY = "optional", "on_entry"
 
 
+SCHEMA_DEPTH = 64  # JSON nesting of a schema: compile time grows steeply with it (depth 1000: 40 s)
+
+
+def json_depth(value) -> int:
+    """How deep JSON containers nest in `value` (iteratively: a deep one must not blow the stack)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, level = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, level)
+            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
 @dataclass
 class StructuredOutputs:
     """What the output must match (vLLM's `structured_outputs`): exactly one of these is set. The

@@ -17,12 +17,11 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from shared.sampling import StructuredOutputs
+from shared.sampling import SCHEMA_DEPTH, StructuredOutputs, json_depth
 from worker.engine.types import EngineRejected
 
 CODE = "invalid_structured_output"  # shared/errors.py maps it to a 400
 PARAM = "structured_outputs"
-MAX_DEPTH = 64  # JSON nesting of a schema, as gateway/bounds.py's SCHEMA_DEPTH: depth 1000 compiles for 40 s
 CACHE_SIZE = 256  # compiled grammars kept; a JSON schema's is ~100 KB for a 32k vocabulary
 COMPILE_THREADS = 2
 # xgrammar 0.2.9 writes a string with maxLength/minLength as characters [^"\\\r\n]: raw control
@@ -57,24 +56,13 @@ def check_spec(spec: StructuredOutputs, max_bytes: int) -> str:
             schema = json.loads(value)
         except (ValueError, RecursionError) as exc:
             raise EngineRejected(f"structured_outputs json is not valid JSON: {exc}", CODE, PARAM) from None
-        if _depth(schema) > MAX_DEPTH:
-            raise EngineRejected(f"the structured_outputs json schema nests deeper than {MAX_DEPTH} levels",
+        if json_depth(schema) > SCHEMA_DEPTH:
+            raise EngineRejected(f"the structured_outputs json schema nests deeper than {SCHEMA_DEPTH} levels",
                                  CODE, PARAM)
     if kind == "choice" and (not value or not all(isinstance(c, str) and c for c in value)):
         raise EngineRejected("structured_outputs choice must be a non-empty list of non-empty strings",
                              CODE, PARAM)
     return hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).hexdigest()
-
-
-def _depth(value) -> int:
-    """How deep JSON containers nest (iteratively: a deep one must not blow the stack)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, level = todo.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, level)
-            todo.extend((child, level + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
 
 
 def json_schema_ebnf(schema: str) -> str:
