@@ -83,7 +83,8 @@ class LLMEngine(ModelFacts):
         else:
             for seq in seqs:
                 self.scheduler.add(seq)
-        self.requests[request_id] = seqs
+        if seqs:  # a resumed request whose choices all finished has nothing left here
+            self.requests[request_id] = seqs
 
     def abort(self, request_id: str) -> None:
         """Blocks are freed now; each unfinished choice reports finish_reason "abort" next step."""

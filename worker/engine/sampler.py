@@ -95,10 +95,12 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Below min_tokens a row may not pick a token that would end it."""
+        """Below min_tokens a row may not pick a token that would end it, but for a row its grammar
+        holds: the grammar says where the output may end (a structure complete before min_tokens
+        would otherwise leave it no token at all)."""
         r_idx, t_idx = [], []
         for r, row in enumerate(rows):
-            if row.step >= row.params.min_tokens:
+            if row.step >= row.params.min_tokens or (row.constraint is not None and row.constraint.active):
                 continue
             banned = list(row.params.stop_token_ids)
             if not row.params.ignore_eos:

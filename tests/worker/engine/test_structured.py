@@ -110,6 +110,21 @@ def test_max_tokens_inside_a_structure_ends_with_length(engine):
     assert reason == "length" and len(ids) == 5 and text.startswith("{")
 
 
+def test_min_tokens_does_not_outlast_a_complete_structure(engine):
+    """The grammar says where the output may end: a choice it completes before min_tokens ends with
+    stop (banning EOS there would leave the row no token at all)."""
+    params = SamplingParams(max_tokens=20, min_tokens=10, seed=3,
+                            structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    ids, text, reason, error = run(engine, {"short": (PROMPT, params)})["short"][0]
+    assert error is None and reason == "stop" and text in {"yes", "no"}
+
+
+def test_a_resumed_request_with_every_choice_finished_leaves_nothing_in_the_engine(engine):
+    params = json_params(SCHEMAS["point"], seed=4, n=2)
+    engine.add_request("all-done", PROMPT, params, Resume(output_ids={0: [], 1: []}, finished={0, 1}))
+    assert "all-done" not in engine.requests and not engine.has_unfinished()
+
+
 def test_seeded_constrained_request_is_the_same_alone_and_in_a_batch(engine):
     params = json_params(SCHEMAS["order"], seed=21)
     alone = run(engine, {"a": (PROMPT, params)})["a"][0][0]
