@@ -212,6 +212,8 @@ def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_output():
 
 def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled():
     from gateway import bounds
+    from shared.sampling import json_depth
+
     deep = {"type": "integer"}
     for _ in range(bounds.SCHEMA_DEPTH):
         deep = {"type": "array", "items": deep}
@@ -219,4 +221,4 @@ def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled():
     err = _check({"guided_json": deep})
     assert err.param == "guided_json" and "deeper than" in err.message
     assert time.monotonic() - started < 5
-    assert structured.depth({"a": [1, {"b": {}}]}) == 4 and structured.depth(5) == 0
+    assert json_depth({"a": [1, {"b": {}}]}) == 4 and json_depth(5) == 0
