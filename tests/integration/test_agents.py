@@ -242,7 +242,8 @@ def test_a_constrained_stream_resumed_after_its_worker_dies_is_whole_and_valid(t
         for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 pieces.append(chunk.choices[0].delta.content)
-            if len(pieces) == 10:
+            if len(pieces) == 10:  # mid-way: frozen first, so it cannot finish while the survivor starts
+                victim.send_signal(signal.SIGSTOP)
                 c.start_worker("w-survivor")
                 victim.send_signal(signal.SIGKILL)
         resumed = "".join(pieces)

@@ -138,10 +138,13 @@ def _max_overlap(intervals: list[tuple[float, float]]) -> int:
     return peak
 
 
+SKEW_S = 0.03
+
+
 def test_never_a_fifth_request_in_flight(gov):
     """A stream's [headers, last byte] lies inside the gateway's [slot taken, slot released]."""
     _, secret = gov.create_key(max_concurrent=4)
-    body = {"model": "demo", "stream": True, "max_tokens": 8, "ignore_eos": True,
+    body = {"model": "demo", "stream": True, "max_tokens": 16, "ignore_eos": True,
             "messages": [{"role": "user", "content": "hi"}]}
     intervals: list[tuple[float, float]] = []
     refused = 0
@@ -169,7 +172,10 @@ def test_never_a_fifth_request_in_flight(gov):
 
     asyncio.run(run())
     assert len(intervals) == 16 and refused > 0
-    assert _max_overlap(intervals) == 4
+    # this client may handle the next stream's headers before the last byte of the stream whose
+    # slot it took (one event loop, a loaded machine): up to SKEW_S of that is not an overlap; a
+    # fifth stream really in flight would overlap the others for most of a stream (~0.1 s and more)
+    assert _max_overlap([(start, end - SKEW_S) for start, end in intervals]) == 4
 
 
 def test_a_disconnect_gives_the_slot_back(gov):
