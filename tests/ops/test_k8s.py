@@ -152,6 +152,7 @@ def test_keda_scales_each_worker_on_the_stream_it_consumes(overlay):
         worker = workers[so["spec"]["scaleTargetRef"]["name"]]
         served, version = worker_identity(worker["spec"]["template"]["spec"]["containers"][0])
         assert so["spec"]["minReplicaCount"] >= 1, "no live worker: the gateway answers 503"
+        assert "replicas" not in worker["spec"], "KEDA owns the count: a re-apply must not reset it"
         kinds = set()
         for trigger in so["spec"]["triggers"]:
             meta = trigger["metadata"]
@@ -266,6 +267,7 @@ def test_pods_run_as_non_root_on_read_only_filesystems(overlay):
     assert budgets == {"kvgate-gateway", "kvgate-worker"}
     hpa = named(docs, "HorizontalPodAutoscaler", "kvgate-gateway")["spec"]
     assert hpa["metrics"][0]["resource"]["name"] == "cpu" and hpa["minReplicas"] >= 2
+    assert "replicas" not in named(docs, "Deployment", "kvgate-gateway")["spec"], "the HPA owns the count"
 
 
 def test_gpu_workers_take_a_gpu_and_cpu_workers_build_the_demo_model():
