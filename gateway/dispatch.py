@@ -65,6 +65,7 @@ class Dispatcher:
                 await asyncio.sleep(0.5)
 
     async def _listen(self) -> None:
+        await self.redis.ping()  # a cluster client learns its slot map here; pubsub needs it
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.channel)
         try:
