@@ -102,6 +102,19 @@ def async_client(settings: CommonSettings, max_connections: int | None = None,
     return aioredis.Redis(connection_pool=pool, **retry)
 
 
+def is_cluster(client: Any) -> bool:
+    """Whether `client` talks to a Redis Cluster (whose pipelines refuse PUBLISH)."""
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+async def mget(client: aioredis.Redis, keys: list[str]) -> list:
+    """MGET of keys in any slots: one command on one Redis, one per slot (in parallel) on a cluster;
+    each value read on its own, which is all the callers (registries of independent records) need."""
+    if not keys:
+        return []
+    return await (client.mget_nonatomic(keys) if is_cluster(client) else client.mget(keys))
+
+
 def rate_limit_storage(client: aioredis.Redis, key_prefix: str) -> RedisStorage:
     """`limits`' asyncio storage over our own client (any mode): built on a placeholder URL, then
     its bridge pointed at the client, so the rate limiter never opens connections of its own."""
