@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test install bench-engine bench clean
+.PHONY: run test test-cluster install bench-engine bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -21,8 +21,12 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/kvgate up $(if $(MODEL),--model $(MODEL),)
 
+# the Redis Cluster tests (6 redis-server processes) run on their own: make test-cluster
 test: $(STAMP)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not cluster" $(PYTEST_ARGS)
+
+test-cluster: $(STAMP)
+	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
 
 bench-engine: $(STAMP)
 	$(BIN)/kvgate bench engine

@@ -16,8 +16,9 @@ log = logging.getLogger("kvgate.gateway")
 
 
 class BatchQueue:
-    def __init__(self, redis_url: str):
-        self.celery = Celery("kvgate-gateway", broker=redis_url)
+    def __init__(self, broker_url: str, options: dict | None = None):
+        self.celery = Celery("kvgate-gateway", broker=broker_url)
+        self.celery.conf.update(options or {})  # TLS of the broker connection
         self.celery.conf.broker_transport_options = {"global_keyprefix": names.CELERY_PREFIX}
 
     async def submit(self, batch_id: str) -> None:

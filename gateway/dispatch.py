@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 
 from gateway.errors import redis_unavailable
 from shared import names, protocol
+from shared.redis_client import is_cluster
 from shared.errors import (EngineFailure, KvgateError, Overloaded, PayloadTooLarge, RequestTimeout,
                            UnsupportedSchema, from_code)
 from shared.telemetry import traced
@@ -65,6 +66,7 @@ class Dispatcher:
                 await asyncio.sleep(0.5)
 
     async def _listen(self) -> None:
+        await self.redis.ping()  # a cluster client learns its slot map here; pubsub needs it
         pubsub = self.redis.pubsub()
         await pubsub.subscribe(self.channel)
         try:
@@ -134,11 +136,16 @@ class Dispatcher:
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         try:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.set(names.cancelled_key(request_id), reason, ex=CANCEL_MARK_TTL_S)
             cancel = protocol.Cancel(request_id=request_id, reason=reason)
             # every worker reads the cancel channel: written in the oldest schema any may speak
-            pipe.publish(names.CANCEL_CHANNEL, protocol.encode(cancel, version=protocol.OLDEST_SCHEMA))
+            message = protocol.encode(cancel, version=protocol.OLDEST_SCHEMA)
+            if is_cluster(self.redis):  # a cluster pipeline refuses PUBLISH: mark first, then tell
+                await self.redis.set(names.cancelled_key(request_id), reason, ex=CANCEL_MARK_TTL_S)
+                await self.redis.publish(names.CANCEL_CHANNEL, message)
+                return
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.set(names.cancelled_key(request_id), reason, ex=CANCEL_MARK_TTL_S)
+            pipe.publish(names.CANCEL_CHANNEL, message)
             await pipe.execute()
         except Exception as exc:
             log.warning("could not publish cancel for %s: %s", request_id, exc)

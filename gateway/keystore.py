@@ -16,6 +16,7 @@ from redis.exceptions import WatchError
 
 from gateway.keys import KeyRecord, digest, new_key_id, new_secret
 from shared import names
+from shared.redis_client import is_cluster
 from shared.errors import Conflict, NotFound
 
 WRITE_RETRIES = 100  # every retry means another write committed: N racing writers need < N
@@ -53,19 +54,36 @@ class KeyStore:
         return digest(self._server_secret, secret)
 
     async def lookup(self, secret: str) -> KeyRecord | None:
-        raw = await self._lookup(keys=[names.key_digest(self.digest(secret))])
+        digest_key = names.key_digest(self.digest(secret))
+        if is_cluster(self.redis):  # digest and record in two slots: two reads (a revoke between is read)
+            key_id = await self.redis.get(digest_key)
+            raw = key_id and await self.redis.hget(names.key_record(key_id.decode()), "record")
+        else:  # one round trip
+            raw = await self._lookup(keys=[digest_key])
         return KeyRecord.model_validate_json(raw) if raw else None
 
     async def create(self, record: KeyRecord) -> tuple[KeyRecord, str]:
         """Store a new key (its name must be free); the secret is returned once, here."""
         secret = new_secret()
         d = self.digest(secret)
-        outcome = await self._create(
-            keys=[names.KEY_NAMES, names.key_record(record.id), names.key_digest(d)],
-            args=[record.name, record.id, record.model_dump_json(), d])
+        keys = [names.KEY_NAMES, names.key_record(record.id), names.key_digest(d)]
+        args = [record.name, record.id, record.model_dump_json(), d]
+        outcome = await (self._create_in_steps(keys, args) if is_cluster(self.redis)
+                         else self._create(keys=keys, args=args))
         if outcome == NAME_TAKEN:
             raise Conflict(f"A key named '{record.name}' already exists", param="name")
         return record, secret
+
+    async def _create_in_steps(self, keys: list[str], args: list[str]) -> int:
+        """CREATE over three slots: the name, the record, the digest last. A failure before the
+        digest leaves a name whose key has no secret anyone holds: unusable, never a wrong grant."""
+        names_key, record_key, digest_key = keys
+        name, key_id, record, d = args
+        if not await self.redis.hsetnx(names_key, name, key_id):
+            return NAME_TAKEN
+        await self.redis.hset(record_key, mapping={"record": record, "digest": d})
+        await self.redis.set(digest_key, key_id)
+        return CREATED
 
     async def resolve(self, name_or_id: str) -> str:
         key_id = await self.redis.hget(names.KEY_NAMES, name_or_id)
@@ -99,6 +117,8 @@ class KeyStore:
     async def update(self, key_id: str, edit: Callable[[KeyRecord], KeyRecord]) -> KeyRecord:
         """Apply `edit` to the record as it is now and store the result; a rename moves the name
         index in the same transaction (the new name must be free)."""
+        if is_cluster(self.redis):  # the name index is in another slot
+            return await self._update_in_steps(key_id, edit)
         record_key = names.key_record(key_id)
         for _ in range(WRITE_RETRIES):
             async with self.redis.pipeline(transaction=True) as pipe:
@@ -118,6 +138,43 @@ class KeyStore:
                     return new
         raise _busy(key_id)
 
+    async def _update_in_steps(self, key_id: str, edit: Callable[[KeyRecord], KeyRecord]) -> KeyRecord:
+        """`update` over two slots: a new name is claimed first, the record committed (WATCH on it
+        alone), then the old name dropped. A failure between leaves an extra name for the same key."""
+        record_key = names.key_record(key_id)
+        for _ in range(WRITE_RETRIES):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(record_key)
+                old = _parsed(await pipe.hget(record_key, "record"), key_id)
+                new = edit(old)
+                if new == old:
+                    return old
+                if new.name != old.name:
+                    await self._claim_name_alone(new)
+                pipe.multi()
+                pipe.hset(record_key, "record", new.model_dump_json())
+                if await _committed(pipe):
+                    if new.name != old.name:
+                        await self._drop_name(old.name, key_id)
+                    return new
+        raise _busy(key_id)
+
+    async def _claim_name_alone(self, new: KeyRecord) -> None:
+        if not await self.redis.hsetnx(names.KEY_NAMES, new.name, new.id):
+            holder = await self.redis.hget(names.KEY_NAMES, new.name)
+            if holder is not None and holder.decode() != new.id:
+                raise Conflict(f"A key named '{new.name}' already exists", param="name")
+
+    async def _drop_name(self, name: str, key_id: str) -> None:
+        """Only while it still names this key (a concurrent create may have taken it since)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            await pipe.watch(names.KEY_NAMES)
+            if (holder := await pipe.hget(names.KEY_NAMES, name)) is None or holder.decode() != key_id:
+                return
+            pipe.multi()
+            pipe.hdel(names.KEY_NAMES, name)
+            await _committed(pipe)
+
     async def revoke(self, key_id: str) -> KeyRecord:
         """Revoked at once on every replica (lookups read Redis); the record stays for audit."""
         def revoked(record: KeyRecord) -> KeyRecord:
@@ -132,6 +189,8 @@ class KeyStore:
         secret = new_secret()
         d = self.digest(secret)
         record_key = names.key_record(key_id)
+        if is_cluster(self.redis):  # record and digests in three slots
+            return await self._rotate_in_steps(key_id, secret, d, grace_s)
         for _ in range(WRITE_RETRIES):
             async with self.redis.pipeline(transaction=True) as pipe:
                 await pipe.watch(record_key)
@@ -147,6 +206,30 @@ class KeyStore:
                 pipe.hset(record_key, mapping={"record": rotated.model_dump_json(), "digest": d})
                 if await _committed(pipe):
                     return rotated, secret
+        raise _busy(key_id)
+
+    async def _rotate_in_steps(self, key_id: str, secret: str, d: str, grace_s: int) -> tuple[KeyRecord, str]:
+        """`rotate` over three slots: the new digest first (its secret is not handed out yet), the
+        record (WATCH on it alone), then the old digest's expiry. A failure leaves a digest of a
+        secret nobody has, or the old secret valid longer; never a secret that should not work."""
+        record_key = names.key_record(key_id)
+        if not await self.redis.exists(record_key):
+            raise _not_found(key_id)
+        await self.redis.set(names.key_digest(d), key_id)
+        for _ in range(WRITE_RETRIES):
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(record_key)
+                raw, current = await pipe.hmget(record_key, "record", "digest")
+                rotated = _parsed(raw, key_id).model_copy(update={"rotated": time.time()})
+                pipe.multi()
+                pipe.hset(record_key, mapping={"record": rotated.model_dump_json(), "digest": d})
+                if await _committed(pipe):
+                    if current is not None and grace_s > 0:
+                        await self.redis.expire(names.key_digest(current.decode()), grace_s)
+                    elif current is not None:
+                        await self.redis.delete(names.key_digest(current.decode()))
+                    return rotated, secret
+        await self.redis.delete(names.key_digest(d))  # never handed out
         raise _busy(key_id)
 
     @staticmethod

@@ -17,13 +17,13 @@ from enum import IntEnum
 
 import redis.asyncio as aioredis
 from limits import RateLimitItemPerMinute
-from limits.aio.storage import RedisStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
 from gateway.keys import KeyRecord
 from gateway.metrics import rate_limited
 from shared import names
 from shared.errors import RateLimited
+from shared.redis_client import rate_limit_storage
 from shared.settings import GatewaySettings
 from shared.usage import utc_day
 
@@ -128,9 +128,7 @@ class Limits:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings):
         self.redis = redis
         self.settings = settings
-        self.rpm_window = MovingWindowRateLimiter(
-            RedisStorage(settings.redis_url, implementation="redispy", key_prefix=names.RPM_PREFIX,
-                         connection_pool=redis.connection_pool))
+        self.rpm_window = MovingWindowRateLimiter(rate_limit_storage(redis, names.RPM_PREFIX))
         self._acquire_slot = redis.register_script(ACQUIRE_SLOT)
         self._reserve = redis.register_script(RESERVE_TOKENS)
         self._settle = redis.register_script(SETTLE_TOKENS)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import orjson
 import redis.asyncio as aioredis
 
-from shared import names
+from shared import names, redis_client
 from shared.errors import NotFound, Overloaded
 
 
@@ -60,7 +60,7 @@ class Registry:
         if time.monotonic() - self._fetched < self.cache_s:
             return self._workers
         ids = await self.redis.zrangebyscore(names.WORKERS_ZSET, time.time(), "+inf")
-        infos = await self.redis.mget([names.worker_key(i.decode()) for i in ids]) if ids else []
+        infos = await redis_client.mget(self.redis, [names.worker_key(i.decode()) for i in ids])
         self._workers = [w for w in map(_info, infos) if w is not None]
         self._seen.update(w["served_name"] for w in self._workers)
         self._fetched = time.monotonic()

@@ -19,6 +19,7 @@ from gateway.routing import Router
 from gateway.throttle import Throttle
 from shared.batches import BatchStore
 from shared.files import FileStore
+from shared.redis_client import async_client, broker_options, broker_url
 from shared.settings import GatewaySettings
 from shared.usage import UsageBook
 
@@ -53,7 +54,7 @@ class GatewayState:
             usage=UsageBook(client, settings.usage_retention_days),
             files=FileStore(client, settings.data_dir, settings.file_retention_s),
             batches=BatchStore(client, settings.file_retention_s),
-            batch_queue=BatchQueue(settings.redis_url),
+            batch_queue=BatchQueue(broker_url(settings), broker_options(settings)),
             dispatcher=Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
                                   settings.interactive_mark_ms, settings.max_entry_bytes))
 
@@ -68,10 +69,9 @@ class GatewayState:
 
 
 def _redis(settings: GatewaySettings) -> aioredis.Redis:
-    # a blocking pool: a burst of requests waits for a connection instead of failing with 503
-    pool = aioredis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_max_connections, timeout=5,
-        socket_connect_timeout=2, socket_timeout=5, health_check_interval=10)
+    # a blocking pool (one Redis): a burst of requests waits for a connection instead of a 503;
     # a connection left stale by a Redis restart is retried on a fresh one, not surfaced
-    return aioredis.Redis(connection_pool=pool, retry=Retry(ExponentialBackoff(cap=0.2), 2),
-                          retry_on_error=[ConnectionError, TimeoutError])
+    return async_client(settings, max_connections=settings.redis_max_connections,
+                        socket_connect_timeout=2, socket_timeout=5, health_check_interval=10,
+                        retry=Retry(ExponentialBackoff(cap=0.2), 2),
+                        retry_on_error=[ConnectionError, TimeoutError])

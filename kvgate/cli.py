@@ -134,6 +134,8 @@ def _metrics_dir():
 @click.option("--engine", type=click.Choice(ENGINES), default="paged", show_default=True)
 @click.option("--port", type=int, default=8000, show_default=True, help="Gateway port (0 = any free)")
 @click.option("--redis-port", type=int, default=0, show_default=True, help="0 = any free port")
+@click.option("--redis-url", default=None, help="Use this Redis (KVGATE_REDIS_MODE says single, "
+              "cluster or sentinel) instead of starting one")
 @click.option("--state-dir", default=".kvgate", show_default=True,
               help="Where URLs and keys for scripts are written")
 @click.option("--gateway-workers", type=int, default=1, show_default=True, help="Gateway processes")

@@ -195,7 +195,7 @@ def wait_ready(stack: Stack, url: str, key: str, served_name: str,
 
 
 def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
-           gateway_workers: int = 1) -> int:
+           gateway_workers: int = 1, redis_url: str | None = None) -> int:
     state = Path(state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     model_dir = Path(model).resolve() if model else default_model_dir()
@@ -211,11 +211,11 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        redis_url = stack.start_redis(redis_port, redis_password(state)).url
+        redis_url, broker = redis_for(stack, redis_port, redis_url)
         key = "sk-kvg-dev-" + secrets.token_urlsafe(24)
         admin_key = "sk-kvg-admin-" + secrets.token_urlsafe(24)
         # the Redis URL (it carries the password) goes by environment, never on a command line
-        env = {**os.environ, "KVGATE_REDIS_URL": redis_url,
+        env = {**os.environ, "KVGATE_REDIS_URL": redis_url, **broker,
                "KVGATE_DATA_DIR": os.environ.get("KVGATE_DATA_DIR", str(state / "data"))}
         # The worker shares this machine: OpenMP threads on every core, spinning while the
         # gateway and Redis want a core, cost ~20% of tokens/s at 64 streams on 2 cores.
@@ -247,14 +247,28 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
         stack.stop()
 
 
+def redis_for(stack: Stack, port: int, redis_url: str | None) -> tuple[str, dict[str, str]]:
+    """The Redis the stack meets at: the one given (any mode), else one started here; and the
+    broker's URL where Celery needs its own (it cannot use a cluster): then the one started here."""
+    from shared.settings import CommonSettings
+
+    if redis_url is None:
+        return stack.start_redis(port, redis_password(stack.state)).url, {}
+    settings = CommonSettings(redis_url=redis_url)  # the mode and broker from the environment
+    if settings.redis_mode == "single" or settings.broker_url:
+        return redis_url, {}
+    return redis_url, {"KVGATE_BROKER_URL": stack.start_redis(port, redis_password(stack.state)).url}
+
+
 def worker_metrics_url(redis_url: str, served_name: str) -> str:
     """The /metrics URL the live worker of `served_name` put in its registry entry."""
     import orjson
-    import redis
 
     from shared import names
+    from shared.redis_client import sync_client
+    from shared.settings import CommonSettings
 
-    client = redis.Redis.from_url(redis_url)
+    client = sync_client(CommonSettings(redis_url=redis_url))
     try:
         for worker_id in client.zrange(names.WORKERS_ZSET, 0, -1):
             raw = client.get(names.worker_key(worker_id.decode()))

@@ -34,6 +34,7 @@ from services.batch_results import Entry, Progress, result, succeeded, tally, us
 from shared import names
 from shared.batches import Acquired, Batch, BatchStore, line_token
 from shared.files import FileStore, NewFile
+from shared.redis_client import async_client
 from shared.settings import ServicesSettings
 
 log = logging.getLogger("kvgate.services.batch")
@@ -321,8 +322,7 @@ def _retry_after(resp: httpx.Response, attempt: int) -> float:
 def run_batch(settings: ServicesSettings, batch_id: str) -> str:
     """One batch, from synchronous code (the Celery task)."""
     async def once() -> str:
-        client = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                         socket_timeout=10)
+        client = async_client(settings, socket_connect_timeout=2, socket_timeout=10)
         try:
             return await Runner(settings, client, batch_id).run()
         finally:

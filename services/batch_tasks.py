@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import asyncio
 
-import redis.asyncio as aioredis
 
 from services.batch import run_batch
 from services.celery_app import app
 from services.maintenance import tend_batches
 from shared.batches import BATCH_QUEUE, BATCH_TASK
+from shared.redis_client import async_client
 
 
 @app.task(name=BATCH_TASK)
@@ -24,8 +24,7 @@ def run(batch_id: str) -> str:
 def tend() -> list[str]:
     """Start a runner for every active batch that none holds (new, waiting, or orphaned)."""
     async def once() -> list[str]:
-        client = aioredis.Redis.from_url(app.kvgate_settings.redis_url, socket_connect_timeout=2,
-                                         socket_timeout=5)
+        client = async_client(app.kvgate_settings, socket_connect_timeout=2, socket_timeout=5)
         try:
             return await tend_batches(client, start)
         finally:

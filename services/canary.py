@@ -16,6 +16,8 @@ import redis.asyncio as aioredis
 from shared import canary, canary_stats
 from shared.canary import Route, RouteStore
 from shared.canary_stats import WindowStats, percentile
+from shared.redis_client import async_client
+from shared.settings import CommonSettings
 
 log = logging.getLogger("kvgate.services.canary")
 
@@ -116,10 +118,10 @@ async def check_all(redis: aioredis.Redis) -> dict[str, str]:
     return {alias: await check_route(redis, alias) for alias in await RouteStore(redis).aliases()}
 
 
-def run_checks(redis_url: str) -> dict[str, str]:
+def run_checks(settings: CommonSettings) -> dict[str, str]:
     """One pass over every route, from synchronous code (the Celery task)."""
     async def once() -> dict[str, str]:
-        client = aioredis.Redis.from_url(redis_url, socket_connect_timeout=2, socket_timeout=5)
+        client = async_client(settings, socket_connect_timeout=2, socket_timeout=5)
         try:
             return await check_all(client)
         finally:

@@ -8,4 +8,4 @@ from services.canary import run_checks
 @app.task(name="kvgate.canary.check")
 def check() -> dict[str, str]:
     """Every route with a canary on trial: analyse, then roll back, advance, promote or hold."""
-    return run_checks(app.kvgate_settings.redis_url)
+    return run_checks(app.kvgate_settings)

@@ -11,6 +11,7 @@ from celery import Celery, signals
 
 from shared import logs, names
 from shared.batches import BATCH_QUEUE, BATCH_TASK
+from shared.redis_client import broker_options, broker_url
 from shared.settings import ServicesSettings
 
 TASK_MODULES = ["services.canary_tasks", "services.batch_tasks", "services.maintenance_tasks"]
@@ -18,11 +19,12 @@ TASK_MODULES = ["services.canary_tasks", "services.batch_tasks", "services.maint
 
 def create_app(settings: ServicesSettings | None = None) -> Celery:
     settings = settings or ServicesSettings()
-    app = Celery("kvgate", broker=settings.redis_url, include=TASK_MODULES)
+    app = Celery("kvgate", broker=broker_url(settings), include=TASK_MODULES)
     app.conf.update(
         broker_transport_options={"global_keyprefix": names.CELERY_PREFIX},
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,  # a long Redis outage is waited out, never fatal
+        **broker_options(settings),  # TLS verified, like every Redis connection
         task_ignore_result=True,
         task_routes={BATCH_TASK: {"queue": BATCH_QUEUE}},  # batch runs: their own queue
         beat_schedule={

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import asyncio
 
-import redis.asyncio as aioredis
 
 from services.celery_app import app
 from services.maintenance import reap_workers as _reap_workers
 from shared.files import FileStore
+from shared.redis_client import async_client
 from shared.usage import fold
 
 
 def _with_redis(fn):
     async def once():
-        client = aioredis.Redis.from_url(app.kvgate_settings.redis_url, socket_connect_timeout=2,
-                                         socket_timeout=5)
+        client = async_client(app.kvgate_settings, socket_connect_timeout=2, socket_timeout=5)
         try:
             return await fn(client)
         finally:

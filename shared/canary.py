@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
 from shared import names
+from shared.redis_client import is_cluster
 
 BUCKETS = 10_000
 MAX_EVENTS = 100  # events kept per alias
@@ -33,12 +34,13 @@ Phase = Literal["canary", "rolled_back", "promoted"]
 BUILTIN_COHORTS = ("canary", "stable")  # a key's cohort may name a role instead of a version
 
 STALE, SWAPPED = 0, 1  # what CAS answers: someone wrote since the read, or the new JSON is stored
-# KEYS: route, alias index. ARGV: the JSON read before ('' if none), the new JSON, the alias.
+# KEYS: route, alias index (absent on a cluster: added before, in its own slot). ARGV: the JSON
+# read before ('' if none), the new JSON, the alias.
 CAS = """
 local current = redis.call('GET', KEYS[1]) or ''
 if current ~= ARGV[1] then return %(stale)d end
 redis.call('SET', KEYS[1], ARGV[2])
-redis.call('SADD', KEYS[2], ARGV[3])
+if KEYS[2] then redis.call('SADD', KEYS[2], ARGV[3]) end
 return %(swapped)d
 """ % {"stale": STALE, "swapped": SWAPPED}
 
@@ -148,8 +150,10 @@ class RouteStore:
             if new is None:
                 return current, False
             new = new.model_copy(update={"updated": time.time()})
-            if await self._cas(keys=[names.canary_route(alias), names.CANARY_ROUTES],
-                               args=[raw or b"", new.model_dump_json(), alias]) == SWAPPED:
+            keys = [names.canary_route(alias), names.CANARY_ROUTES]
+            if is_cluster(self.redis):  # two slots: the alias listed first (readers skip one
+                await self.redis.sadd(keys.pop(), alias)  # without a route), then the CAS alone
+            if await self._cas(keys=keys, args=[raw or b"", new.model_dump_json(), alias]) == SWAPPED:
                 return new, True
         raise RuntimeError(f"route of '{alias}' kept changing under {CAS_RETRIES} writes")
 

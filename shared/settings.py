@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -12,7 +13,20 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class CommonSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVGATE_", extra="ignore")
 
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where every process finds Redis")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Where every process finds Redis "
+                           "(AUTH in the URL; rediss:// for TLS; sentinel mode: the sentinels, "
+                           "comma-separated host:port)")
+    redis_mode: Literal["single", "cluster", "sentinel"] = Field(
+        "single", description="single (one Redis), cluster (Redis Cluster; the URL names any one "
+        "node) or sentinel (the URL names the sentinels)")
+    redis_sentinel_service: str | None = Field(None, description="Sentinel mode: the name of the "
+                                               "master the sentinels watch (required there)")
+    redis_ca_file: Path | None = Field(None, description="CA certificates that rediss:// servers "
+                                       "(Redis and the Celery broker) are verified against "
+                                       "(default: the system's)")
+    broker_url: str | None = Field(None, description="Celery's broker (default: KVGATE_REDIS_URL in "
+                                   "single mode; required in cluster and sentinel modes: Celery's "
+                                   "Redis transport cannot use a cluster)")
     log_level: str = Field("INFO", description="Logging level")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector traces go to "
                                       "(e.g. http://otel-collector:4318); unset: no tracing")

@@ -17,6 +17,7 @@ from typing import Literal
 import redis.asyncio as aioredis
 
 from shared import names
+from shared.redis_client import is_cluster
 
 COUNTERS = ("requests", "prompt_tokens", "completion_tokens", "errors")
 GroupBy = Literal["model", "day", "key"]
@@ -38,7 +39,16 @@ class UsageBook:
         now = time.time() if now is None else now
         day, field = utc_day(now), f"{model}|{version}|"
         hash_key = names.usage_key(key_id, day)
-        pipe = self.redis.pipeline(transaction=True)
+        cluster = is_cluster(self.redis)
+        pipe = self.redis.pipeline(transaction=not cluster)
+        # in line for its roll-up once over; a folded day that gets a late record is queued again
+        pipe.sadd(names.usage_day_index(day), key_id)
+        pipe.expire(names.usage_day_index(day), self.ttl_s)
+        pipe.zadd(names.USAGE_DAYS_TO_FOLD, {day: now - now % _DAY_S + _DAY_S}, nx=True)
+        pipe.expire(names.USAGE_DAYS_TO_FOLD, self.ttl_s)
+        if cluster:  # three slots: the day is indexed before it is counted (a failure between
+            await pipe.execute()  # leaves a day indexed with nothing to count, never the reverse)
+            pipe = self.redis.pipeline(transaction=True)
         pipe.hincrby(hash_key, field + "requests", 1)
         if usage is None:
             pipe.hincrby(hash_key, field + "errors", 1)
@@ -46,11 +56,6 @@ class UsageBook:
             pipe.hincrby(hash_key, field + "prompt_tokens", usage["prompt_tokens"])
             pipe.hincrby(hash_key, field + "completion_tokens", usage["completion_tokens"])
         pipe.expire(hash_key, self.ttl_s)
-        pipe.sadd(names.usage_day_index(day), key_id)
-        pipe.expire(names.usage_day_index(day), self.ttl_s)
-        # in line for its roll-up once over; a folded day that gets a late record is queued again
-        pipe.zadd(names.USAGE_DAYS_TO_FOLD, {day: now - now % _DAY_S + _DAY_S}, nx=True)
-        pipe.expire(names.USAGE_DAYS_TO_FOLD, self.ttl_s)
         await pipe.execute()
 
     def window_start(self, since: float, now: float | None = None) -> float:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import redis
 
 from shared import errors, names, protocol
+from shared.redis_client import is_cluster
 from shared.redis_errors import refusal
 from worker import checkpoint
 
@@ -40,6 +41,7 @@ class Outbox:
         self.outgoing: dict[str, list[bytes]] = {}  # reply channel -> this step's encoded replies
         self.ops: list[tuple] = []  # after the PUBLISHes: logs, TTLs, acks
         self.held: list[tuple] = []  # commands Redis refused for now, in order: sent first next flush
+        self.cluster = is_cluster(client)  # a cluster pipeline refuses PUBLISH: sent on its own
 
     def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply,
               version: int | None = None) -> None:
@@ -80,13 +82,8 @@ class Outbox:
         self.outgoing.clear()
         if not commands and not reads:
             return []
-        pipe = self.client.pipeline(transaction=False)
-        for name, *args in commands:
-            getattr(pipe, name)(*args)
-        for stream, count in reads:
-            pipe.xreadgroup(names.CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
         try:
-            results = pipe.execute(raise_on_error=False)
+            results = self._execute(commands, reads)
         except redis.RedisError as exc:  # no answer at all: resent whole (a duplicate is harmless)
             self._hold(commands, commands, exc, was_held)
             return None
@@ -101,6 +98,21 @@ class Outbox:
             if isinstance(reply, redis.ResponseError) and "NOGROUP" in str(reply):
                 raise reply  # Redis lost the streams; the worker makes them again
         return [None if isinstance(r, Exception) else r for r in replies]
+
+    def _execute(self, commands: list[tuple], reads: Sequence[tuple[str, int]]) -> list:
+        """The results of `commands`, then of `reads`, in order. On a cluster the PUBLISHes go first,
+        each on its own (redis-py's cluster pipeline refuses them), so a reply is still published
+        before it is logged; one that gets no answer raises before anything else is sent."""
+        direct = [i for i, (name, *_) in enumerate(commands) if self.cluster and name == "publish"]
+        published = {i: self.client.publish(*commands[i][1:]) for i in direct}
+        pipe = self.client.pipeline(transaction=False)
+        for i, (name, *args) in enumerate(commands):
+            if i not in published:
+                getattr(pipe, name)(*args)
+        for stream, count in reads:
+            pipe.xreadgroup(names.CONSUMER_GROUP, self.consumer, {stream: ">"}, count=count)
+        piped = iter(pipe.execute(raise_on_error=False))
+        return [published[i] if i in published else next(piped) for i in range(len(commands))] + list(piped)
 
     def _hold(self, held: list[tuple], sent: list[tuple], error: Exception | None, was_held: bool) -> None:
         """Keep what Redis refused; say so when holding starts and ends, not on every retry."""

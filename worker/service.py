@@ -18,6 +18,7 @@ import redis
 
 from shared import protocol
 from shared.backoff import Backoff
+from shared.redis_client import sync_client
 from shared.redis_errors import refusal
 from shared.settings import WorkerSettings
 from worker.admission import Admission
@@ -36,8 +37,8 @@ class WorkerService:
     def __init__(self, settings: WorkerSettings, engine, tokenizer):
         self.s = settings
         self.engine = engine
-        self.redis = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
-                                          socket_timeout=10, health_check_interval=10)
+        self.redis = sync_client(settings, socket_connect_timeout=2, socket_timeout=10,
+                                 health_check_interval=10)
         self.stopping = threading.Event()
         self.drain_deadline: float | None = None
         self.backoff = Backoff(0.05, 2.0)  # between tries while Redis refuses or errs

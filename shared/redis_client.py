@@ -1,0 +1,148 @@
+"""The one place Redis clients are made, for every process and every topology.
+
+`KVGATE_REDIS_MODE` picks the client: `single` (one Redis, `from_url` as always), `cluster` (redis-py's
+RedisCluster; the URL names any one node, the rest are discovered) or `sentinel` (the URL names the
+sentinels, comma-separated, and `KVGATE_REDIS_SENTINEL_SERVICE` the master they watch). AUTH comes from
+the URL in every mode; `rediss://` turns TLS on, certificates always verified (against
+`KVGATE_REDIS_CA_FILE`, or the system's store). Callers get the same command API in every mode, so
+the code path above this module is one.
+"""
+from __future__ import annotations
+
+import ssl
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+import redis.asyncio as aioredis
+from limits.aio.storage import RedisStorage
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+from redis.cluster import RedisCluster
+from redis.sentinel import Sentinel
+
+from shared.settings import CommonSettings
+
+MODES = ("single", "cluster", "sentinel")
+
+
+def _tls(settings: CommonSettings, url: str) -> dict[str, Any]:
+    """Certificate checks for a `rediss://` URL (none asked of a plain one: it has no TLS)."""
+    if not url.startswith("rediss://"):
+        return {}
+    options: dict[str, Any] = {"ssl_cert_reqs": "required", "ssl_check_hostname": True}
+    if settings.redis_ca_file:
+        options["ssl_ca_certs"] = str(settings.redis_ca_file)
+    return options
+
+
+def _sentinel_parts(url: str) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    """`redis[s]://[user:pass@]host:port[,host:port...][/db]` -> sentinel addresses, auth and db."""
+    parts = urlsplit(url)
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":")
+    addresses = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":")
+        addresses.append((name.strip("[]"), int(port or 26379)))
+    auth = {"username": unquote(user) or None, "password": unquote(password) or None}
+    db = int(parts.path.strip("/") or 0)
+    return addresses, {**auth, "db": db}
+
+
+def _sentinel_options(settings: CommonSettings, options: dict[str, Any]) -> tuple:
+    addresses, auth = _sentinel_parts(settings.redis_url)
+    tls = _tls(settings, settings.redis_url)
+    if tls:
+        tls["ssl"] = True
+    conn = {**options, **auth, **tls}
+    # the sentinels themselves: the same credentials and TLS, no database
+    sentinel = {k: v for k, v in conn.items() if k in ("username", "password", "socket_timeout",
+                                                        "socket_connect_timeout") or k.startswith("ssl")}
+    return addresses, sentinel, conn
+
+
+def _service(settings: CommonSettings) -> str:
+    if not settings.redis_sentinel_service:
+        raise ValueError("KVGATE_REDIS_MODE=sentinel needs KVGATE_REDIS_SENTINEL_SERVICE "
+                         "(the name of the master the sentinels watch)")
+    return settings.redis_sentinel_service
+
+
+def sync_client(settings: CommonSettings, **options: Any) -> redis.Redis:
+    """A synchronous client (the worker, the CLI)."""
+    url = settings.redis_url
+    if settings.redis_mode == "cluster":
+        return RedisCluster.from_url(url, **options, **_tls(settings, url))
+    if settings.redis_mode == "sentinel":
+        addresses, sentinel, conn = _sentinel_options(settings, options)
+        return Sentinel(addresses, sentinel_kwargs=sentinel, **conn).master_for(_service(settings))
+    return redis.Redis.from_url(url, **options, **_tls(settings, url))
+
+
+def async_client(settings: CommonSettings, max_connections: int | None = None,
+                 **options: Any) -> aioredis.Redis:
+    """An asyncio client (the gateway, the services). With `max_connections` on one Redis, a
+    blocking pool: a burst waits for a connection instead of failing."""
+    url = settings.redis_url
+    if settings.redis_mode == "cluster":
+        if max_connections:
+            options["max_connections"] = max_connections  # per node
+        return AsyncRedisCluster.from_url(url, **options, **_tls(settings, url))
+    if settings.redis_mode == "sentinel":
+        addresses, sentinel, conn = _sentinel_options(settings, options)
+        if max_connections:
+            conn["max_connections"] = max_connections
+        return AsyncSentinel(addresses, sentinel_kwargs=sentinel, **conn).master_for(_service(settings))
+    if max_connections is None:
+        return aioredis.Redis.from_url(url, **options, **_tls(settings, url))
+    retry = {k: options.pop(k) for k in ("retry", "retry_on_error") if k in options}
+    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5,
+                                                    **options, **_tls(settings, url))
+    return aioredis.Redis(connection_pool=pool, **retry)
+
+
+def is_cluster(client: Any) -> bool:
+    """Whether `client` talks to a Redis Cluster (whose pipelines refuse PUBLISH)."""
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+async def mget(client: aioredis.Redis, keys: list[str]) -> list:
+    """MGET of keys in any slots: one command on one Redis, one per slot (in parallel) on a cluster;
+    each value read on its own, which is all the callers (registries of independent records) need."""
+    if not keys:
+        return []
+    return await (client.mget_nonatomic(keys) if is_cluster(client) else client.mget(keys))
+
+
+def rate_limit_storage(client: aioredis.Redis, key_prefix: str) -> RedisStorage:
+    """`limits`' asyncio storage over our own client (any mode): built on a placeholder URL, then
+    its bridge pointed at the client, so the rate limiter never opens connections of its own."""
+    storage = RedisStorage("async+redis://127.0.0.1:1", implementation="redispy",
+                           key_prefix=key_prefix)
+    storage.bridge.storage = client
+    storage.bridge.connection_getter = lambda _readonly: client
+    storage.bridge.register_scripts()
+    return storage
+
+
+def broker_url(settings: CommonSettings) -> str:
+    """Celery's broker: KVGATE_BROKER_URL, else the main Redis in single mode. Celery's Redis
+    transport cannot use Redis Cluster, so cluster (and sentinel) mode must name one."""
+    if settings.broker_url:
+        return settings.broker_url
+    if settings.redis_mode != "single":
+        raise ValueError(f"KVGATE_REDIS_MODE={settings.redis_mode} needs KVGATE_BROKER_URL: "
+                         "Celery's broker cannot use Redis Cluster or follow the main Redis's "
+                         "sentinels; give it a Redis (redis:// or rediss://) of its own")
+    return settings.redis_url
+
+
+def broker_options(settings: CommonSettings) -> dict[str, Any]:
+    """Celery settings for the broker connection: TLS verified like every other connection."""
+    if not broker_url(settings).startswith("rediss://"):
+        return {}
+    tls: dict[str, Any] = {"ssl_cert_reqs": ssl.CERT_REQUIRED}
+    if settings.redis_ca_file:
+        tls["ssl_ca_certs"] = str(settings.redis_ca_file)
+    return {"broker_use_ssl": tls}
