@@ -11,7 +11,6 @@ and the share of allocated KV slots that hold live tokens.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import random
@@ -328,17 +327,3 @@ def format_table(report: dict) -> str:
                 f"vs torch.mm peak {w1['mm_peak_flops'] / 1e9:.1f} (engine GEMM peak "
                 f"{w1['engine_gemm_peak_flops'] / 1e9:.1f}: {w1['flops_share_vs_engine_gemm_peak']:.0%})")
     return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate bench engine", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller workloads, for smoke checks")
-    parser.add_argument("--out", default="bench_engine.json", help="where to write the JSON report")
-    parser.add_argument("--model", default=None, help="model folder (default: a random Llama)")
-    args = parser.parse_args(argv)
-    run_bench(args.quick, args.out, args.model)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

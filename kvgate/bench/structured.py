@@ -10,7 +10,6 @@ times are measured over distinct variants of the schema (each compiled once, as 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -135,17 +134,3 @@ def format_table(report: dict) -> str:
              f"structured.compile_ms_p50 {s['compile_ms_p50']:.1f}  ({s['schemas']} schemas)",
              f"structured.compile_ms_p99 {s['compile_ms_p99']:.1f}"]
     return "\n".join(rows)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvgate bench structured", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer requests, for smoke checks")
-    parser.add_argument("--out", default="bench-out/structured.json", help="where to write the JSON report")
-    parser.add_argument("--model", default=None, help="model folder (default: a random Llama)")
-    args = parser.parse_args(argv)
-    run_bench(args.quick, args.out, args.model)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
