@@ -65,7 +65,7 @@ class Call:
 
 
 @dataclass(frozen=True)
-class _Answer:
+class Answer:
     """A dispatched request's way back: its replies, the shape they are written in, and the
     headers that name the version and the request id on every response, errors included."""
 
@@ -101,6 +101,16 @@ async def completions(body: CompletionRequest, request: Request, lease: Admitted
 
 
 async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call):
+    answer = await open_answer(request, state, lease, call)
+    if call.body.stream:
+        return await _stream(request, lease, answer, state.settings.admission_wait_s,
+                             call.include_usage())
+    return await _whole(request, lease, answer)
+
+
+async def open_answer(request: Request, state: GatewayState, lease: Lease, call: Call) -> Answer:
+    """Every check, the reservation and the dispatch of one call; its replies come back through
+    the answer. The one request path: other APIs translate to a `Call` and render the answer."""
     body = call.body
     check_supported(body)
     constraint = body.constraint()
@@ -123,16 +133,12 @@ async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call
                                            interactive=lease.lane == names.DEFAULT_LANE,
                                            schema=facts.schema)
     lease.dispatched(body.model, handle, outcome)
-    answer = _Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
-                     _Shape(call.kind, entry.request_id, body.model, body.n, outputs),
-                     {VERSION_HEADER: version, "x-request-id": entry.request_id})
-    if body.stream:
-        return await _stream(request, lease, answer, state.settings.admission_wait_s,
-                             call.include_usage())
-    return await _whole(request, lease, answer)
+    return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
+                  _Shape(call.kind, entry.request_id, body.model, body.n, outputs),
+                  {VERSION_HEADER: version, "x-request-id": entry.request_id})
 
 
-async def _whole(request: Request, lease: Lease, answer: _Answer) -> Response:
+async def _whole(request: Request, lease: Lease, answer: Answer) -> Response:
     """`stream: false`: one JSON body once the request is done."""
     try:
         result = await _unless_gone(request, _collect(answer.replies, answer.shape))
@@ -146,7 +152,7 @@ async def _whole(request: Request, lease: Lease, answer: _Answer) -> Response:
     return JSONResponse(result, headers=answer.headers)
 
 
-async def _stream(request: Request, lease: Lease, answer: _Answer, wait_s: float,
+async def _stream(request: Request, lease: Lease, answer: Answer, wait_s: float,
                   include_usage: bool) -> Response:
     """The 200 goes out once the worker admitted the request (its first reply) or after
     KVGATE_ADMISSION_WAIT_S (`wait_s`), whichever is first: a refusal before then is an HTTP error
@@ -348,7 +354,7 @@ def _event(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(answer: _Answer, replies: Lookahead, lease: Lease,
+async def _sse(answer: Answer, replies: Lookahead, lease: Lease,
                include_usage: bool) -> AsyncIterator[bytes]:
     """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
     shape = answer.shape
