@@ -18,6 +18,7 @@ from gateway import metrics as prometheus
 from gateway.observe import Observe
 from gateway.openai_api import router as openai_router
 from gateway.ratelimit_headers import RateLimitHeaders
+from gateway.responses_api import router as responses_router
 from gateway.state import GatewayState
 from gateway.strict_json import StrictJSONMiddleware
 from gateway.throttle import Throttle
@@ -46,6 +47,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     public = [Depends(throttle.public_route)]
     errors.install(app)
     app.include_router(openai_router)
+    app.include_router(responses_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
     app.include_router(files_router)

@@ -180,6 +180,19 @@ def stored_by(key_id: str) -> str:
     return f"{PREFIX}:quota:{key_id}"
 
 
+# -- stored responses (/v1/responses with store: true) ----------------------------------------
+def stored_response(key_id: str, response_id: str) -> str:
+    """JSON of one stored response and the conversation it ended (TTL: the retention); under its
+    key's tag, so another key's id names another key."""
+    return f"{PREFIX}:resp:{key_tag(key_id)}:{response_id}"
+
+
+def stored_responses(key_id: str) -> str:
+    """Hash response id -> `bytes:expiry` of a key's stored responses: its size quota (the same slot
+    as the responses, so a store and its quota check are one script)."""
+    return f"{PREFIX}:resps:{key_tag(key_id)}"
+
+
 def celery_queue(queue: str) -> str:
     """The Redis list that holds the waiting task messages of one Celery queue."""
     return f"{CELERY_PREFIX}{queue}"

@@ -89,6 +89,13 @@ class GatewaySettings(FilesSettings):
     max_batches_in_progress_per_key: int = Field(10, ge=0, le=10_000, description="Batches of a "
                                                  "key not yet in a final status, unless its "
                                                  "max_batches_in_progress says otherwise (429 above)")
+    response_retention_days: float = Field(30.0, gt=0, description="How long /v1/responses keeps "
+                                           "a stored response (store: true, the default) for "
+                                           "GET and previous_response_id")
+    max_stored_response_bytes_per_key: int = Field(256 << 20, ge=0, le=1 << 40, description="Bytes "
+                                                   "of stored responses a key may keep (a request "
+                                                   "with store: true is refused with 429 above; "
+                                                   "delete some, or send store: false)")
     interactive_mark_ms: int = Field(1000, ge=0, description="Batch lines of a model run at most "
                                      "KVGATE_BATCH_CONCURRENCY_BUSY at a time until this long after "
                                      "its last interactive request (0: batches never yield)")
