@@ -10,15 +10,16 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from gateway.admission import Lease
 from gateway.dispatch import KEEPALIVE, Lookahead
 from gateway.openai_api import SSE_HEADERS, Answer
+from gateway.schemas import ChatCompletionRequest
 from shared import protocol
-from shared.errors import KvgateError
+from shared.errors import InvalidRequest, KvgateError
 
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
 
@@ -37,6 +38,17 @@ class Renderer(Protocol):
     def keepalive(self) -> bytes: ...
 
     def result(self) -> dict[str, Any]: ...
+
+
+def chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's body translates to; 400 naming what chat's bounds refuse of
+    it (a conversation longer than chat allows, say), never a 500."""
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise InvalidRequest(f"{where}: {first.get('msg')}", param=where or None) from None
 
 
 def usage_of(done: protocol.Done) -> dict:

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from gateway import errors
 from gateway.admin_api import router as admin_router
+from gateway.anthropic_shape import AnthropicShape
 from gateway.batches_api import router as batches_router
 from gateway.files_api import UPLOAD_ENVELOPE_BYTES, router as files_router
 from gateway.canary_api import router as canary_router
@@ -16,6 +17,7 @@ from gateway.deps import StateDep
 from gateway.body_limit import BodyLimitMiddleware
 from gateway import metrics as prometheus
 from gateway.observe import Observe
+from gateway.messages_api import router as messages_router
 from gateway.openai_api import router as openai_router
 from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.responses_api import router as responses_router
@@ -48,6 +50,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(openai_router)
     app.include_router(responses_router)
+    app.include_router(messages_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
     app.include_router(files_router)
@@ -60,6 +63,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES})
+    app.add_middleware(AnthropicShape)  # outside the body limit: its 413 is rewritten too
     app.add_middleware(Observe)  # outermost: sees every refusal and every byte sent
     logs.setup(settings.log_level, "gateway")
     telemetry.setup_tracing("kvgate-gateway", settings.otlp_endpoint)

@@ -1,4 +1,5 @@
-"""Who is calling: the bearer key, looked up by its HMAC digest (or one of the settings' bootstrap keys)."""
+"""Who is calling: the bearer key (or Anthropic's `x-api-key`), looked up by its HMAC digest (or one of
+the settings' bootstrap keys)."""
 from __future__ import annotations
 
 import hmac
@@ -21,6 +22,11 @@ def bearer_token(request: Request) -> str | None:
     if scheme.lower() != "bearer" or not token.strip():
         return None
     return token.strip()
+
+
+def api_key(request: Request) -> str | None:
+    """The key a client sent: `Authorization: Bearer`, or `x-api-key` as Anthropic's clients send it."""
+    return bearer_token(request) or request.headers.get("x-api-key", "").strip() or None
 
 
 def _bootstrap(settings, token: str) -> KeyRecord | None:
@@ -46,9 +52,10 @@ async def authenticate(request: Request, state: StateDep) -> KeyRecord:
 
 
 async def _identify(request: Request, state: GatewayState) -> KeyRecord:
-    token = bearer_token(request)
+    token = api_key(request)
     if token is None:
-        raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>'")
+        raise AuthenticationFailed("Missing API key: send 'Authorization: Bearer <key>' (or "
+                                   "'x-api-key: <key>')")
     record = (_bootstrap(state.settings, token) or await _batch_owner(request, state, token)
               or await state.keystore.lookup(token))
     if record is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
 
 from gateway import answer_io
 from gateway.admission import Admitted, Lease, admit
@@ -18,9 +17,7 @@ from gateway.responses_render import ResponseRender
 from gateway.responses_schemas import ResponsesRequest
 from gateway.responses_store import ResponseStore
 from gateway.routing import version_header
-from gateway.schemas import ChatCompletionRequest
-from gateway.state import GatewayState
-from shared.errors import InvalidRequest, NotFound, QuotaExceeded
+from shared.errors import NotFound, QuotaExceeded
 
 log = logging.getLogger("kvgate.gateway")
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["responses"])
@@ -43,7 +40,7 @@ async def create_response(body: ResponsesRequest, request: Request, lease: Admit
     if body.store:
         await _check_room(store, lease, state.settings.max_stored_response_bytes_per_key)
     conversation = body.conversation(earlier)
-    call = Call.chat(_chat_request(body, conversation))
+    call = Call.chat(answer_io.chat_request(body, conversation))
     answer = await open_answer(request, state, lease, call)
     render = ResponseRender(body, "resp_" + answer.handle.request_id.removeprefix("chatcmpl-"),
                             Items(answer.shape.output(0)), None)
@@ -87,17 +84,6 @@ async def _check_room(store: ResponseStore, lease: Lease, limit: int) -> None:
         raise QuotaExceeded(f"Quota exceeded for key '{lease.key.name}' on stored responses "
                             f"(KVGATE_MAX_STORED_RESPONSE_BYTES_PER_KEY): Limit {limit}, Used {used}. "
                             "Delete stored responses, or send store: false.", param="store")
-
-
-def _chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
-    """The chat request this turn is; 400 naming what the translation could not hold (a conversation
-    past chat's bounds, say)."""
-    try:
-        return ChatCompletionRequest.model_validate(body.chat(conversation))
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise InvalidRequest(f"{where}: {first.get('msg')}", param=where or None) from None
 
 
 def _keeper(store: ResponseStore, lease: Lease, conversation: list[dict], render: ResponseRender):
