@@ -40,7 +40,7 @@ async def create_response(body: ResponsesRequest, request: Request, lease: Admit
     if body.store:
         await _check_room(store, lease, state.settings.max_stored_response_bytes_per_key)
     conversation = body.conversation(earlier)
-    call = Call.chat(answer_io.chat_request(body, conversation))
+    call = Call.chat(answer_io.chat_request(body.chat(conversation)))
     answer = await open_answer(request, state, lease, call)
     render = ResponseRender(body, "resp_" + answer.handle.request_id.removeprefix("chatcmpl-"),
                             Items(answer.shape.output(0)), None)
