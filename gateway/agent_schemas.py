@@ -21,7 +21,11 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def _schema_size(schema: dict[str, Any]) -> dict[str, Any]:
-    if len(orjson.dumps(schema)) > b.SCHEMA_CHARS:
+    try:
+        size = len(orjson.dumps(schema))
+    except TypeError as exc:  # an integer past 64 bits: a 422, not a 500
+        raise ValueError(f"the schema is not writable as JSON: {exc}") from None
+    if size > b.SCHEMA_CHARS:
         raise ValueError(f"the schema is larger than {b.SCHEMA_CHARS} characters of JSON")
     return schema
 

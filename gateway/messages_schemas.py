@@ -7,12 +7,24 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
 
 from gateway import bounds as b
 from gateway.agent_schemas import CallId, Description, FunctionName, Schema
 from gateway.schemas import StopString
 from shared.errors import InvalidRequest
+
+
+def _arguments(value: dict[str, Any]) -> dict[str, Any]:
+    """A call's input must travel as JSON text (chat's `arguments`): no integer past 64 bits, and
+    no larger than a schema may be."""
+    try:
+        size = len(orjson.dumps(value))
+    except TypeError as exc:
+        raise ValueError(f"not writable as JSON: {exc}") from None
+    if size > b.SCHEMA_CHARS:
+        raise ValueError(f"larger than {b.SCHEMA_CHARS} characters of JSON")
+    return value
 
 
 class TextBlock(BaseModel):
@@ -28,7 +40,7 @@ class ToolUseBlock(BaseModel):
     type: Literal["tool_use"]
     id: CallId
     name: FunctionName
-    input: dict[str, Any]
+    input: Annotated[dict[str, Any], AfterValidator(_arguments)]
 
 
 class ToolResultBlock(BaseModel):

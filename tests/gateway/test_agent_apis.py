@@ -235,3 +235,20 @@ def test_ratelimit_headers_in_anthropics_names():
                    "anthropic-ratelimit-requests-reset": "1970-01-01T00:01:05Z",
                    "anthropic-ratelimit-tokens-limit": "1000", "anthropic-ratelimit-tokens-remaining": "990",
                    "anthropic-ratelimit-tokens-reset": "1970-01-01T00:00:00Z"}
+
+
+def test_a_tool_use_input_that_cannot_travel_as_json_is_a_validation_error():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="64-bit"):
+        MessagesRequest.model_validate({"model": "demo", "max_tokens": 1, "messages": [
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f",
+                                               "input": {"n": 2**70}}]}]})
+
+
+def test_a_schema_with_an_integer_past_64_bits_is_a_validation_error():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="64-bit"):
+        ResponsesRequest.model_validate({"model": "demo", "input": "x", "tools": [
+            {"type": "function", "name": "f", "parameters": {"maximum": 2**70}}]})
