@@ -152,8 +152,9 @@ def file_record(file_id: str) -> str:
 
 
 def files_of(key_id: str) -> str:
-    """Sorted set file id -> created time: the files one key owns."""
-    return f"{PREFIX}:files:{key_id}"
+    """Sorted set file id -> created time: the files one key owns (`{k:}`: with its quota, in the
+    transaction that adds or drops a file)."""
+    return f"{PREFIX}:files:{key_tag(key_id)}"
 
 
 FILES_EXPIRY = f"{PREFIX}:files:expiry"  # sorted set file id -> expiry time, swept by maintenance
@@ -166,8 +167,8 @@ def batch_record(batch_id: str) -> str:
 
 
 def batches_of(key_id: str) -> str:
-    """Sorted set batch id -> created time: the batches one key owns."""
-    return f"{PREFIX}:batches:{key_id}"
+    """Sorted set batch id -> created time: the batches one key owns (`{k:}`: its owner's slot)."""
+    return f"{PREFIX}:batches:{key_tag(key_id)}"
 
 
 BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # set of batch ids not yet in a final status
@@ -176,8 +177,9 @@ BATCHES_RUNNING = f"{PREFIX}:batches:running"  # sorted set batch id -> runner l
 
 def stored_by(key_id: str) -> str:
     """Hash of what one key keeps, one entry per thing, for its quotas (shared/quota.py):
-    `f:{file id}` -> bytes, `u:{upload}` -> `bytes:expiry`, `b:{batch id}` -> deadline."""
-    return f"{PREFIX}:quota:{key_id}"
+    `f:{file id}` -> bytes, `u:{upload}` -> `bytes:expiry`, `b:{batch id}` -> deadline. `{k:}`:
+    changed in one transaction with the owner's list of files."""
+    return f"{PREFIX}:quota:{key_tag(key_id)}"
 
 
 def celery_queue(queue: str) -> str:
