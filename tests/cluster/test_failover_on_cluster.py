@@ -1,0 +1,154 @@
+"""A primary of the Redis Cluster fails under load: 20 streamed requests in flight through a gateway
+and a worker in cluster mode, the primary that holds the model's request stream is SIGKILLed, its
+replica is promoted (node timeout 1 s, no CLUSTER FAILOVER). No kvgate process exits, every request
+in flight finishes or ends with a clear error within a bound, new requests succeed within a few
+seconds, and no key is charged twice: each request has its own key, so its usage is its own."""
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import orjson
+import pytest
+from redis.cluster import RedisCluster
+
+from shared import names
+from shared.redis_server import RedisClusterServers, RedisServer, free_port
+from tests.cluster.test_path_on_cluster import ADMIN, _wait_for_model
+
+pytestmark = pytest.mark.cluster
+N, MAX_TOKENS = 20, 40
+BOUND_S = 60  # a request in flight ends by then, one way or the other
+
+
+@pytest.fixture
+def failing_stack(tmp_path, tiny_model_dir):
+    servers = RedisClusterServers(node_timeout_ms=1000).start()
+    broker = RedisServer().start()
+    env = {**os.environ, "KVGATE_REDIS_MODE": "cluster", "KVGATE_REDIS_URL": servers.url,
+           "KVGATE_BROKER_URL": broker.url, "KVGATE_HEARTBEAT_S": "0.3", "KVGATE_ADMIN_KEY": ADMIN,
+           "KVGATE_SECRET": "failover-secret", "KVGATE_ADMISSION_WAIT_S": "0"}
+    procs = {}
+    for name, args in (("worker", ["worker", "--model", str(tiny_model_dir), "--served-name", "demo"]),
+                       ("gateway", ["gateway", "--port", str(port := free_port())])):
+        log = open(tmp_path / f"{name}.log", "ab")
+        procs[name] = subprocess.Popen([sys.executable, "-m", "kvgate", *args], stdout=log,
+                                       stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_model(url, procs["gateway"], tmp_path / "gateway.log")
+        yield servers, url, procs, tmp_path
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+        broker.stop()
+        servers.stop()
+
+
+def _stream_primary(servers: RedisClusterServers) -> RedisServer:
+    """The primary that holds the slot of the model's request streams ({m:demo})."""
+    client = RedisCluster.from_url(servers.url)
+    try:
+        node = client.get_node_from_key(names.request_stream("demo", "v1"))
+        return next(n for n in servers.nodes if n.port == node.port)
+    finally:
+        client.close()
+
+
+async def _stream(client: httpx.AsyncClient, url: str, secret: str, i: int, seen: list[int]) -> dict:
+    out = {"status": None, "tokens": 0, "finish": None, "error": None}
+    body = {"model": "demo", "prompt": f"Request {i} says", "max_tokens": MAX_TOKENS,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url + "/v1/completions", json=body,
+                             headers={"Authorization": f"Bearer {secret}"}) as resp:
+        out["status"] = resp.status_code
+        if resp.status_code != 200:
+            out["error"] = orjson.loads(await resp.aread())["error"]
+            return out
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = orjson.loads(line[6:])
+            if "error" in event:
+                out["error"] = event["error"]
+            elif event.get("usage"):
+                out["tokens"] = event["usage"]["completion_tokens"]
+            elif event["choices"]:
+                out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
+                seen[0] += 1
+    return out
+
+
+def _admin(url: str, method: str, path: str, **kw) -> httpx.Response:
+    return httpx.request(method, url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30, **kw)
+
+
+def test_a_primary_killed_under_load_fails_over_without_a_hang_or_a_double_charge(failing_stack):
+    servers, url, procs, logs = failing_stack
+    keys = []
+    for i in range(N):
+        resp = _admin(url, "POST", "/admin/keys", json={"name": f"fo-{i}"})
+        assert resp.status_code == 201, resp.text
+        keys.append(resp.json()["secret"])
+    victim, seen = _stream_primary(servers), [0]
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=BOUND_S, limits=httpx.Limits(max_connections=N + 4)) as c:
+            tasks = [asyncio.create_task(_stream(c, url, keys[i], i, seen)) for i in range(N)]
+            while seen[0] < N:  # every request under way
+                assert not all(t.done() for t in tasks), [t.result() for t in tasks]
+                await asyncio.sleep(0.01)
+            victim.proc.kill()
+            killed = time.monotonic()
+            probe = asyncio.get_running_loop().run_in_executor(None, _first_success, url, keys[0], killed)
+            done, pending = await asyncio.wait(tasks, timeout=BOUND_S)
+            assert not pending, f"{len(pending)} requests still open {BOUND_S}s after the kill"
+            return [t.result() for t in tasks], time.monotonic() - killed, await probe
+
+    results, ended, recovered = asyncio.run(scenario())
+    print(f"\n[failover] {sum(r['finish'] == 'length' for r in results)}/{N} in flight finished, "
+          f"the last {ended:.1f}s after the kill; a new request succeeded {recovered:.1f}s after it")
+    assert recovered < 15
+    for name, proc in procs.items():
+        assert proc.poll() is None, f"{name} exited: " + (logs / f"{name}.log").read_text()[-3000:]
+    for r in results:  # finished whole, or a clear error (503 before the stream, an error event in it)
+        assert (r["finish"] == "length" and r["tokens"] == MAX_TOKENS and r["error"] is None) or \
+            (r["error"] is not None and set(r["error"]) >= {"message", "type", "code"}), r
+    _assert_charged_once(url, results)
+
+
+def _first_success(url: str, secret: str, since: float) -> float:
+    body = {"model": "demo", "prompt": "after", "max_tokens": 2, "ignore_eos": True}
+    while True:
+        resp = httpx.post(url + "/v1/completions", json=body, timeout=30,
+                          headers={"Authorization": f"Bearer {secret}"})
+        if resp.status_code == 200:
+            return time.monotonic() - since
+        assert resp.status_code == 503 and resp.headers.get("retry-after"), resp.text
+        assert time.monotonic() - since < 30, resp.text
+        time.sleep(0.2)
+
+
+def _assert_charged_once(url: str, results: list[dict]) -> None:
+    """Per key (one request each, plus key 0's probes after recovery): a request that finished is
+    charged exactly its tokens once; one that failed at most what it reserved (max_tokens)."""
+    deadline = time.monotonic() + 10
+    for i, r in enumerate(results):
+        while True:
+            rows = _admin(url, "GET", "/admin/usage", params={"key": f"fo-{i}", "by": "key"}).json()["rows"]
+            got = rows[0] if rows else {"requests": 0, "completion_tokens": 0}
+            probes = got["requests"] - 1 if i == 0 else 0  # key 0 also sent the recovery probes
+            if r["finish"] == "length" and got["completion_tokens"] - 2 * probes == MAX_TOKENS \
+                    or r["finish"] != "length" or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        charged = got["completion_tokens"] - 2 * probes
+        if r["finish"] == "length":
+            assert got["requests"] - probes == 1 and charged == MAX_TOKENS, (i, r, got)
+        else:
+            assert got["requests"] - probes <= 1 and charged <= MAX_TOKENS, (i, r, got)
