@@ -1,23 +1,29 @@
-"""A primary of the Redis Cluster fails under load: 20 streamed requests in flight through a gateway
-and a worker in cluster mode, the primary that holds the model's request stream is SIGKILLed, its
-replica is promoted (node timeout 1 s, no CLUSTER FAILOVER). No kvgate process exits, every request
-in flight finishes or ends with a clear error within a bound, new requests succeed within a few
-seconds, and no key is charged twice: each request has its own key, so its usage is its own."""
+"""A Redis primary fails under load: 20 streamed requests in flight through a gateway and a worker,
+then on a Redis Cluster the primary that holds the model's request streams is SIGKILLed and its
+replica promoted (node timeout 1 s, no CLUSTER FAILOVER); on Sentinel (one primary, one replica,
+three sentinels, after an end-to-end check with the `openai` client) the primary is SIGKILLed and
+the sentinels promote the replica. No kvgate process exits, every request in flight finishes or
+ends with a clear error within a bound, new requests succeed within a few seconds, and no key is
+charged twice: each request has its own key, so its usage is its own."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
+import openai
 import orjson
 import pytest
 from redis.cluster import RedisCluster
 
 from shared import names
-from shared.redis_server import RedisClusterServers, RedisServer, free_port
+from shared.redis_server import RedisClusterServers, RedisSentinelServers, RedisServer, free_port
 from tests.cluster.test_path_on_cluster import ADMIN, _wait_for_model
 
 pytestmark = pytest.mark.cluster
@@ -25,15 +31,14 @@ N, MAX_TOKENS = 20, 40
 BOUND_S = 60  # a request in flight ends by then, one way or the other
 
 
-@pytest.fixture
-def failing_stack(tmp_path, tiny_model_dir):
-    servers = RedisClusterServers(node_timeout_ms=1000).start()
+@contextlib.contextmanager
+def _stack(tmp_path: Path, model_dir: Path, redis_env: dict):
+    """A worker and a gateway on the Redis `redis_env` names (Celery's broker on one of its own)."""
     broker = RedisServer().start()
-    env = {**os.environ, "KVGATE_REDIS_MODE": "cluster", "KVGATE_REDIS_URL": servers.url,
-           "KVGATE_BROKER_URL": broker.url, "KVGATE_HEARTBEAT_S": "0.3", "KVGATE_ADMIN_KEY": ADMIN,
-           "KVGATE_SECRET": "failover-secret", "KVGATE_ADMISSION_WAIT_S": "0"}
+    env = {**os.environ, **redis_env, "KVGATE_BROKER_URL": broker.url, "KVGATE_HEARTBEAT_S": "0.3",
+           "KVGATE_ADMIN_KEY": ADMIN, "KVGATE_SECRET": "failover-secret", "KVGATE_ADMISSION_WAIT_S": "0"}
     procs = {}
-    for name, args in (("worker", ["worker", "--model", str(tiny_model_dir), "--served-name", "demo"]),
+    for name, args in (("worker", ["worker", "--model", str(model_dir), "--served-name", "demo"]),
                        ("gateway", ["gateway", "--port", str(port := free_port())])):
         log = open(tmp_path / f"{name}.log", "ab")
         procs[name] = subprocess.Popen([sys.executable, "-m", "kvgate", *args], stdout=log,
@@ -41,13 +46,12 @@ def failing_stack(tmp_path, tiny_model_dir):
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_for_model(url, procs["gateway"], tmp_path / "gateway.log")
-        yield servers, url, procs, tmp_path
+        yield url, procs
     finally:
         for proc in procs.values():
             proc.kill()
             proc.wait()
         broker.stop()
-        servers.stop()
 
 
 def _stream_primary(servers: RedisClusterServers) -> RedisServer:
@@ -88,14 +92,36 @@ def _admin(url: str, method: str, path: str, **kw) -> httpx.Response:
     return httpx.request(method, url + path, headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30, **kw)
 
 
-def test_a_primary_killed_under_load_fails_over_without_a_hang_or_a_double_charge(failing_stack):
-    servers, url, procs, logs = failing_stack
+def test_a_cluster_primary_killed_under_load_fails_over_cleanly(tmp_path, tiny_model_dir):
+    with RedisClusterServers(node_timeout_ms=1000) as servers, _stack(tmp_path, tiny_model_dir, {
+            "KVGATE_REDIS_MODE": "cluster", "KVGATE_REDIS_URL": servers.url}) as (url, procs):
+        _fail_under_load(url, procs, tmp_path, _stream_primary(servers).proc.kill)
+
+
+def test_a_sentinel_primary_killed_under_load_fails_over_cleanly(tmp_path, tiny_model_dir):
+    with RedisSentinelServers(down_after_ms=1000) as servers, _stack(tmp_path, tiny_model_dir, {
+            "KVGATE_REDIS_MODE": "sentinel", "KVGATE_REDIS_URL": servers.url,
+            "KVGATE_REDIS_SENTINEL_SERVICE": servers.service}) as (url, procs):
+        secret = _admin(url, "POST", "/admin/keys", json={"name": "path"}).json()["secret"]
+        client = openai.OpenAI(base_url=url + "/v1", api_key=secret, max_retries=0, timeout=60)
+        ask = {"model": "demo", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
+               "temperature": 0, "seed": 1}
+        whole = client.chat.completions.create(**ask)
+        pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            **ask, stream=True) if c.choices]
+        assert whole.usage.completion_tokens == 8 and "".join(pieces) == whole.choices[0].message.content
+        _fail_under_load(url, procs, tmp_path, servers.primary.proc.kill)
+        assert servers.primary_port() == servers.replicas[0].port  # the replica was promoted
+
+
+def _fail_under_load(url: str, procs: dict, logs: Path, kill) -> None:
+    """N streamed requests, one key each; `kill` the primary once every one is under way."""
     keys = []
     for i in range(N):
         resp = _admin(url, "POST", "/admin/keys", json={"name": f"fo-{i}"})
         assert resp.status_code == 201, resp.text
         keys.append(resp.json()["secret"])
-    victim, seen = _stream_primary(servers), [0]
+    seen = [0]
 
     async def scenario():
         async with httpx.AsyncClient(timeout=BOUND_S, limits=httpx.Limits(max_connections=N + 4)) as c:
@@ -103,7 +129,7 @@ def test_a_primary_killed_under_load_fails_over_without_a_hang_or_a_double_charg
             while seen[0] < N:  # every request under way
                 assert not all(t.done() for t in tasks), [t.result() for t in tasks]
                 await asyncio.sleep(0.01)
-            victim.proc.kill()
+            kill()
             killed = time.monotonic()
             probe = asyncio.get_running_loop().run_in_executor(None, _first_success, url, keys[0], killed)
             done, pending = await asyncio.wait(tasks, timeout=BOUND_S)
