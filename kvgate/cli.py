@@ -60,6 +60,10 @@ def demo_model(directory: str) -> None:
               help="A grammar not compiled by then fails its request [default: 10]")
 @click.option("--structured-max-spec-bytes", type=int, default=None,
               help="Largest schema, regex, choice list or grammar compiled [default: 65536]")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Processes (GPUs on CUDA) the model is sharded across [default: 1]")
+@click.option("--tensor-parallel-timeout-s", type=float, default=None,
+              help="A collective waiting longer stops the worker [default: 60]")
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
