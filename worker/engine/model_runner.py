@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -94,6 +95,7 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.rank_memory = self._rank_memory()
+        self.kv = replace(self.kv, tp_size=self.shard.size, ranks=tuple(self.rank_memory))
         self.sampler = Sampler(eos_token_ids)
         self.decode_graphs = self._build_decode_graphs(config)
         self.num_graph_steps = 0  # decode steps that went through decode_graphs
@@ -101,7 +103,7 @@ class ModelRunner:
     def _rank_memory(self) -> list[dict]:
         """Each rank's weight and KV bytes, in rank order (the registry and metrics report them)."""
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        mine = {"rank": self.shard.rank, "weight_bytes": weights, "kv_bytes": self.kv.bytes}
+        mine = {"rank": self.shard.rank, "pid": os.getpid(), "weight_bytes": weights, "kv_bytes": self.kv.bytes}
         return self.group.gather(mine) if self.group is not None else [mine]
 
     def close(self) -> None:

@@ -160,6 +160,8 @@ def rank_main(config: EngineConfig, rank: int, port: int, threads: int, parent: 
     from worker.models.config import read_model_config
 
     _die_with_parent(parent)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the ranks stop (Ctrl-C hits them all)
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     torch.set_num_threads(threads)
     if config.torch_device().type == "cuda":
