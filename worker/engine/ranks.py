@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -49,7 +50,9 @@ class TPGroup:
         """Rank 0: this step's plan (None: stop) to every other rank."""
         import torch.distributed as dist
 
+        start = time.perf_counter()
         dist.broadcast_object_list([plan], src=0, group=self.plans)
+        self.shard.comm_seconds += time.perf_counter() - start
 
     def receive(self):
         import torch.distributed as dist
