@@ -87,3 +87,30 @@ def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(llama_dir
         check_shardable(read_model_config(llama_dir), 3)
     with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
         LLM(llama_dir, tensor_parallel_size=3)
+
+
+def test_structured_outputs_at_tp2_are_those_of_tp1(tiny_model_dir):
+    """The grammar masks the logits on rank 0, where the sampler runs: with the same seeds, TP = 2
+    writes exactly TP = 1's constrained tokens, and they match."""
+    import json
+    import re
+
+    from shared.sampling import StructuredOutputs
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "ok": {"type": "boolean"}}}
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+              for s in range(3)]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                              structured_outputs=StructuredOutputs(regex=regex)) for s in range(3)]
+    prompts = [[5, 17, 301, 42, 999, 7]] * len(params)
+    tp1 = LLM(tiny_model_dir).generate(prompts, params)
+    with LLM(tiny_model_dir, tensor_parallel_size=2) as tp2:
+        got = tp2.generate(prompts, params)
+    assert tokens(got) == tokens(tp1)
+    for r in got[:3]:
+        assert set(json.loads(r.text)) == {"n", "ok"}
+    for r in got[3:]:
+        assert re.fullmatch(regex, r.text), r.text
