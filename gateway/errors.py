@@ -4,15 +4,13 @@ from __future__ import annotations
 import logging
 import math
 
-import redis
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shared.errors import KvgateError, Overloaded, Unprocessable
-from shared.redis_errors import refusal
+from shared.redis_errors import REDIS_ERRORS, refusal
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -98,5 +96,6 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(KvgateError, _on_kvgate)
     app.add_exception_handler(RequestValidationError, _on_validation)
     app.add_exception_handler(StarletteHTTPException, _on_http)
-    app.add_exception_handler(redis.RedisError, _on_redis)
+    for kind in REDIS_ERRORS:  # a cluster client's own errors are no RedisError
+        app.add_exception_handler(kind, _on_redis)
     app.add_exception_handler(Exception, _on_unexpected)

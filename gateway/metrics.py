@@ -120,10 +120,8 @@ async def cluster_metrics(state) -> bytes:
 async def _known_versions(redis) -> dict[str, list[str]]:
     """Every served name and the versions ever registered under it."""
     out: dict[str, list[str]] = {}
-    prefix = names.model_versions_key("")
-    async for key in redis.scan_iter(match=prefix + "*", count=500):
-        model = key.decode()[len(prefix):]
-        out[model] = sorted(v.decode() for v in await redis.hkeys(key))
+    async for key in redis.scan_iter(match=names.model_versions_key("*"), count=500):
+        out[names.served_name_of(key.decode())] = sorted(v.decode() for v in await redis.hkeys(key))
     return out
 
 

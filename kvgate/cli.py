@@ -60,6 +60,10 @@ def demo_model(directory: str) -> None:
               help="A grammar not compiled by then fails its request [default: 10]")
 @click.option("--structured-max-spec-bytes", type=int, default=None,
               help="Largest schema, regex, choice list or grammar compiled [default: 65536]")
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
+              help="Processes (GPUs on CUDA) the model is sharded across [default: 1]")
+@click.option("--tensor-parallel-timeout-s", type=float, default=None,
+              help="A collective waiting longer stops the worker [default: 60]")
 @click.option("--fault-error-rate", type=click.FloatRange(0, 1), default=None,
               help="Tests: answer this share of requests with an engine error")
 @click.option("--fault-latency-ms", type=click.FloatRange(min=0), default=None,
@@ -156,11 +160,13 @@ def bench() -> None:
               help="Model folder to measure [default: a random ~58M Llama built for the run]")
 @click.option("--quick", is_flag=True, help="A smaller version of each workload (smoke check)")
 @click.option("--out", default="bench-out/engine.json", show_default=True)
-def bench_engine(model: str | None, quick: bool, out: str) -> None:
+@click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Above 1: W1 at TP 1 vs TP N on the same cores, and the communication per step")
+def bench_engine(model: str | None, quick: bool, out: str, tensor_parallel_size: int) -> None:
     """W1 throughput, W2 prefix cache, W3 KV efficiency: kvgate vs transformers, one process."""
     from kvgate.bench.engine import run_bench
 
-    run_bench(quick=quick, out_json=out, model_dir=model)
+    run_bench(quick=quick, out_json=out, model_dir=model, tensor_parallel_size=tensor_parallel_size)
 
 
 @bench.command("structured")

@@ -24,7 +24,7 @@ import orjson
 import redis.asyncio as aioredis
 from pydantic import BaseModel, Field
 
-from shared import names
+from shared import names, redis_client
 from shared.errors import NotFound
 from shared.quota import Quota, QuotaLimits, batch_field
 
@@ -172,7 +172,10 @@ class BatchStore:
     async def create(self, owner: str, endpoint: str, input_file_id: str, completion_window: str,
                      metadata: dict[str, str] | None, limits: QuotaLimits | None = None) -> Batch:
         """A new batch, in `validating`, counted in progress first (429 if the owner's `limits`
-        leave no room for it); its index entries outlive its record by a little, then go too."""
+        leave no room for it); its index entries outlive its record by a little, then go too.
+        One transaction on one Redis; on a cluster the owner's list (`{k:}`), the record, then the
+        active set, so a runner never meets an active id before its record (it would drop it), and
+        a list entry without a record is skipped. A failure undoes the record and the hold."""
         now = int(time.time())
         batch = Batch(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
                       completion_window=completion_window, status="validating", created_at=now,
@@ -180,17 +183,18 @@ class BatchStore:
         await self.quota.hold_batch(owner, batch.id, batch.expires_at + QUOTA_GRACE_S, limits)
         static = batch.model_dump_json(include=set(_STATIC))
         kept_s = int(self.retention_s) + 2 * 86400  # longer than any record lives (window + retention)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(names.batch_record(batch.id), mapping={"record": static, "status": "validating",
-                                                         **dict.fromkeys(COUNTERS, 0)})
-        pipe.zadd(names.batches_of(owner), {batch.id: now})
-        pipe.zremrangebyscore(names.batches_of(owner), "-inf", now - kept_s)
-        pipe.expire(names.batches_of(owner), kept_s)
-        pipe.sadd(names.BATCHES_ACTIVE, batch.id)
+        listed = names.batches_of(owner)
         try:
-            await pipe.execute()
+            await redis_client.in_steps(
+                self.redis,
+                lambda p: (p.zadd(listed, {batch.id: now}),
+                           p.zremrangebyscore(listed, "-inf", now - kept_s), p.expire(listed, kept_s)),
+                lambda p: p.hset(names.batch_record(batch.id), mapping={
+                    "record": static, "status": "validating", **dict.fromkeys(COUNTERS, 0)}),
+                lambda p: p.sadd(names.BATCHES_ACTIVE, batch.id))
         except BaseException:
-            await self.quota.release(owner, batch_field(batch.id))
+            await redis_client.in_steps(self.redis, lambda p: p.delete(names.batch_record(batch.id)),
+                                        lambda p: Quota.drop(p, owner, batch_field(batch.id)))
             raise
         return batch
 
@@ -234,12 +238,13 @@ class BatchStore:
         return moved
 
     async def retire(self, batch: Batch) -> None:
-        """What a batch in a final status no longer needs (again, if a runner died before)."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.srem(names.BATCHES_ACTIVE, batch.id)
-        pipe.expire(names.batch_record(batch.id), int(self.retention_s))
-        Quota.drop(pipe, batch.owner, batch_field(batch.id))
-        await pipe.execute()
+        """What a batch in a final status no longer needs (again, if a runner died before). On a
+        cluster the active set goes last: a retire cut short leaves the batch active, and
+        `runnable` retires it again."""
+        await redis_client.in_steps(
+            self.redis, lambda p: Quota.drop(p, batch.owner, batch_field(batch.id)),
+            lambda p: p.expire(names.batch_record(batch.id), int(self.retention_s)),
+            lambda p: p.srem(names.BATCHES_ACTIVE, batch.id))
 
     async def runnable(self, batch_id: str) -> Batch | None:
         """The batch if it is still to run; an id whose record is gone or final (its runner died

@@ -2,9 +2,10 @@
 owner) in Redis. The gateway stores uploads; the batch runner reads inputs and stores results.
 
 A file is written as it arrives (`NewFile`, chunk by chunk, never whole in memory) and published
-by `FileStore.commit`, in one transaction with its record and its entry in the owner's quota
-(shared/quota.py); deleting it removes all three. Every file has an expiry; maintenance deletes
-expired ones (bytes and record), so neither the disk nor Redis grows without bound.
+by `FileStore.commit`, with its record and its entry in the owner's quota (shared/quota.py): one
+transaction, or ordered per-slot steps on a cluster; deleting it removes all three. Every file has
+an expiry; maintenance deletes expired ones (bytes and record), so neither the disk nor Redis grows
+without bound.
 """
 from __future__ import annotations
 
@@ -140,22 +141,25 @@ class FileStore:
         return NewFile(self.dir, owner, purpose, filename)
 
     async def commit(self, new: NewFile, upload: str | None = None) -> StoredFile:
-        """Bytes first (renamed into place), then, in one transaction, the record that points at
-        them, the indexes, and the file's entry in its owner's quota (which replaces the upload's
-        hold, if any)."""
+        """Bytes first (renamed into place), then the record that points at them, the indexes, and
+        the file's entry in its owner's quota (which replaces the upload's hold, if any): one
+        transaction on one Redis; on a cluster three slots, in this order: the expiry index (the
+        sweeper drops an id without a record, and its bytes), the record, then the owner's list and
+        quota (one slot, `{k:}`). A failure between leaves a file nobody lists or counts, swept at
+        its expiry; never a quota that counts a file without a record."""
         now = time.time()
         record = StoredFile(id=new.id, bytes=new.size, created_at=int(now),
                             expires_at=int(now + self.retention_s), filename=new.filename,
                             purpose=new.purpose, owner=new.owner)
         new.close()
         os.replace(new.tmp, self.path(record.id))
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.set(names.file_record(record.id), record.model_dump_json())
-        pipe.zadd(names.files_of(record.owner), {record.id: now})
-        pipe.zadd(names.FILES_EXPIRY, {record.id: record.expires_at})
-        Quota.store_file(pipe, record.owner, record.id, record.bytes, upload)
         try:
-            await pipe.execute()
+            await redis_client.in_steps(
+                self.redis,
+                lambda p: p.zadd(names.FILES_EXPIRY, {record.id: record.expires_at}),
+                lambda p: p.set(names.file_record(record.id), record.model_dump_json()),
+                lambda p: (p.zadd(names.files_of(record.owner), {record.id: now}),
+                           Quota.store_file(p, record.owner, record.id, record.bytes, upload)))
         except BaseException:
             self.path(record.id).unlink(missing_ok=True)
             raise
@@ -203,13 +207,15 @@ class FileStore:
 
     async def delete(self, record: StoredFile) -> None:
         """Record, indexes and quota entry in one transaction (a second delete changes nothing),
-        then the bytes."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(names.file_record(record.id))
-        pipe.zrem(names.files_of(record.owner), record.id)
-        pipe.zrem(names.FILES_EXPIRY, record.id)
-        Quota.drop(pipe, record.owner, file_field(record.id))
-        await pipe.execute()
+        then the bytes. On a cluster, the reverse of `commit`: the owner's list and quota first,
+        then the record, then the expiry index; a failure between leaves a record nobody lists or
+        counts, which a second delete or the sweeper removes."""
+        await redis_client.in_steps(
+            self.redis,
+            lambda p: (p.zrem(names.files_of(record.owner), record.id),
+                       Quota.drop(p, record.owner, file_field(record.id))),
+            lambda p: p.delete(names.file_record(record.id)),
+            lambda p: p.zrem(names.FILES_EXPIRY, record.id))
         self.path(record.id).unlink(missing_ok=True)
 
     async def expire(self, now: float | None = None) -> int:

@@ -57,8 +57,14 @@ def worker_key(worker_id: str) -> str:
 
 
 def model_versions_key(served_name: str) -> str:
-    """Hash version → info of every version ever served under a name (bounded by versions)."""
-    return f"{PREFIX}:model:{served_name}"
+    """Hash version → info of every version ever served under a name (bounded by versions). `{m:}`:
+    beside its streams, so a scrape's reads of a model go to one node."""
+    return f"{PREFIX}:model:{model_tag(served_name)}"
+
+
+def served_name_of(versions_key: str) -> str:
+    """The served name a `model_versions_key` is of (metrics find them by SCAN)."""
+    return versions_key[len(model_versions_key("")) - 1:-1]
 
 
 # -- governance: keys, limits, usage ---------------------------------------------------------
@@ -94,8 +100,9 @@ def daily_tokens_key(key_id: str, day: str) -> str:
 
 
 def usage_key(key_id: str, day: str) -> str:
-    """Hash `model|version|counter` -> count of one key on one UTC day (with a retention TTL)."""
-    return f"{PREFIX}:usage:{key_id}:{day}"
+    """Hash `model|version|counter` -> count of one key on one UTC day (with a retention TTL). `{k:}`:
+    in the slot of the key's token counters, on the node its other per-key traffic goes to."""
+    return f"{PREFIX}:usage:{key_tag(key_id)}:{day}"
 
 
 USAGE_DAYS_TO_FOLD = f"{PREFIX}:usagefold"  # sorted set UTC day -> when it ends: days awaiting roll-up
@@ -116,25 +123,28 @@ CANARY_ROUTES = f"{PREFIX}:routes"  # set of the aliases (served names) that hav
 
 
 def canary_route(alias: str) -> str:
-    """JSON of one alias's route (stable, canary, weight, steps, thresholds); changed by CAS only."""
-    return f"{PREFIX}:route:{alias}"
+    """JSON of one alias's route (stable, canary, weight, steps, thresholds); changed by CAS only.
+    The canary's keys carry `{m:<alias>}`: an alias's route, events, counters, windows and streams
+    share a node, so the analysis reads its windows in one round trip and a rescue's move and count
+    could share a transaction."""
+    return f"{PREFIX}:route:{model_tag(alias)}"
 
 
 def canary_events(alias: str) -> str:
     """List of an alias's last route events (set, advance, promote, rollback ...), newest first,
     trimmed to a fixed length on every push."""
-    return f"{PREFIX}:canary:events:{alias}"
+    return f"{PREFIX}:canary:events:{model_tag(alias)}"
 
 
 def canary_counters(alias: str) -> str:
     """Hash counter -> n of one alias: rollbacks, promotions, failovers, rescued entries."""
-    return f"{PREFIX}:canary:counts:{alias}"
+    return f"{PREFIX}:canary:counts:{model_tag(alias)}"
 
 
 def canary_window(alias: str, version: str, bucket: int) -> str:
     """Hash of what one version served in one time bucket (requests, errors, TTFT and TPOT
     histograms); its TTL is the route's analysis window, so the window slides by itself."""
-    return f"{PREFIX}:canary:win:{alias}:{version}:{bucket}"
+    return f"{PREFIX}:canary:win:{model_tag(alias)}:{version}:{bucket}"
 
 
 CELERY_PREFIX = f"{PREFIX}:celery:"  # every key Celery (broker, beat) keeps in Redis starts so
@@ -152,8 +162,9 @@ def file_record(file_id: str) -> str:
 
 
 def files_of(key_id: str) -> str:
-    """Sorted set file id -> created time: the files one key owns."""
-    return f"{PREFIX}:files:{key_id}"
+    """Sorted set file id -> created time: the files one key owns (`{k:}`: with its quota, in the
+    transaction that adds or drops a file)."""
+    return f"{PREFIX}:files:{key_tag(key_id)}"
 
 
 FILES_EXPIRY = f"{PREFIX}:files:expiry"  # sorted set file id -> expiry time, swept by maintenance
@@ -166,8 +177,8 @@ def batch_record(batch_id: str) -> str:
 
 
 def batches_of(key_id: str) -> str:
-    """Sorted set batch id -> created time: the batches one key owns."""
-    return f"{PREFIX}:batches:{key_id}"
+    """Sorted set batch id -> created time: the batches one key owns (`{k:}`: its owner's slot)."""
+    return f"{PREFIX}:batches:{key_tag(key_id)}"
 
 
 BATCHES_ACTIVE = f"{PREFIX}:batches:active"  # set of batch ids not yet in a final status
@@ -176,8 +187,9 @@ BATCHES_RUNNING = f"{PREFIX}:batches:running"  # sorted set batch id -> runner l
 
 def stored_by(key_id: str) -> str:
     """Hash of what one key keeps, one entry per thing, for its quotas (shared/quota.py):
-    `f:{file id}` -> bytes, `u:{upload}` -> `bytes:expiry`, `b:{batch id}` -> deadline."""
-    return f"{PREFIX}:quota:{key_id}"
+    `f:{file id}` -> bytes, `u:{upload}` -> `bytes:expiry`, `b:{batch id}` -> deadline. `{k:}`:
+    changed in one transaction with the owner's list of files."""
+    return f"{PREFIX}:quota:{key_tag(key_id)}"
 
 
 # -- stored responses (/v1/responses with store: true) ----------------------------------------

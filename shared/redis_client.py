@@ -10,6 +10,7 @@ the code path above this module is one.
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -113,6 +114,25 @@ async def mget(client: aioredis.Redis, keys: list[str]) -> list:
     if not keys:
         return []
     return await (client.mget_nonatomic(keys) if is_cluster(client) else client.mget(keys))
+
+
+async def in_steps(client: aioredis.Redis, *steps: Callable[[Any], Any]) -> None:
+    """One change made of `steps`, each a function that queues the commands of one hash slot on a
+    pipeline: one MULTI on one Redis (one round trip, all or nothing, as ever); on a cluster one
+    transaction per step, in order, so callers order the steps to make a failure between harmless."""
+    if not is_cluster(client):
+        pipe = client.pipeline(transaction=True)
+        for step in steps:
+            step(pipe)
+        await pipe.execute()
+        return
+    # redis-py queues each command of a cluster transaction on a loop of its own (in a thread): a
+    # client first used there would open its connections on that loop, which is closed right after
+    await client.initialize()
+    for step in steps:
+        pipe = client.pipeline(transaction=True)
+        step(pipe)
+        await pipe.execute()
 
 
 def rate_limit_storage(client: aioredis.Redis, key_prefix: str) -> RedisStorage:

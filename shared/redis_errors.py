@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 
 import redis
+from redis import exceptions
 
 # Reply codes of a temporary refusal, and what they mean to a client. A script's error carries the
 # code inside its text ("... -OOM command not allowed ..."), so the text is searched, not only the type.
@@ -25,22 +26,33 @@ REFUSALS = {
     "TRYAGAIN": "Redis asked to try again (a cluster slot is moving)",
     "CLUSTERDOWN": "the Redis cluster is down",
 }
-_BY_TYPE = ((redis.exceptions.OutOfMemoryError, "OOM"), (redis.exceptions.ReadOnlyError, "READONLY"),
-            (redis.exceptions.BusyLoadingError, "LOADING"), (redis.exceptions.TryAgainError, "TRYAGAIN"),
-            (redis.exceptions.MasterDownError, "MASTERDOWN"),
-            (redis.exceptions.ClusterDownError, "CLUSTERDOWN"))
+FAILING_OVER = "the Redis cluster is failing over (a slot has no reachable primary yet)"
+_BY_TYPE = ((exceptions.OutOfMemoryError, REFUSALS["OOM"]),
+            (exceptions.ReadOnlyError, REFUSALS["READONLY"]),
+            (exceptions.BusyLoadingError, REFUSALS["LOADING"]),
+            (exceptions.TryAgainError, REFUSALS["TRYAGAIN"]),
+            (exceptions.MasterDownError, REFUSALS["MASTERDOWN"]),
+            (exceptions.ClusterDownError, REFUSALS["CLUSTERDOWN"]),
+            # redirections that never settled ("TTL exhausted"), a slot no node serves yet
+            (exceptions.ClusterError, FAILING_OVER), (exceptions.SlotNotCoveredError, FAILING_OVER))
 _CODE = re.compile(r"(?<!\w)(" + "|".join(REFUSALS) + r")\b")
+
+# What a Redis outage may raise: redis-py's cluster client raises some errors (no node reachable, a
+# slot not covered during a failover) that are not RedisError. Catch this, not RedisError alone.
+REDIS_ERRORS = (redis.RedisError, exceptions.RedisClusterException)
 
 
 def refusal(exc: BaseException) -> str | None:
     """Why Redis refused, when retrying later may succeed; None for an error waiting will not fix."""
-    for kind, code in _BY_TYPE:  # redis-py strips the code from the text of these
+    for kind, why in _BY_TYPE:  # redis-py strips the code from the text of these
         if isinstance(exc, kind):
-            return REFUSALS[code]
-    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError)):
+            return why
+    if isinstance(exc, (exceptions.AuthenticationError, exceptions.AuthorizationError)):
         return "Redis refused this process's credentials (check KVGATE_REDIS_URL)"
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return "Redis is unreachable"
+    if type(exc) is exceptions.RedisClusterException and "cannot be connected" in str(exc):
+        return "Redis is unreachable"  # no node of the cluster answered (its subclasses are bugs)
     # a pipeline's error names its command first ("Command # 1 (SET k v) of pipeline caused error: ")
     text = str(exc).split("caused error: ", 1)[-1]
     if isinstance(exc, redis.ResponseError) and (match := _CODE.search(text)):

@@ -184,3 +184,81 @@ class RedisClusterServers:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class RedisSentinelServers:
+    """Sentinel on loopback for tests: one primary, `replicas` replicas and `sentinels` sentinels
+    (`redis-server --sentinel`) watching it as `service`, which promote a replica `down_after_ms`
+    after the primary stops answering. `url` names the sentinels (KVGATE_REDIS_MODE=sentinel)."""
+
+    def __init__(self, service: str = "kvgate", replicas: int = 1, sentinels: int = 3,
+                 down_after_ms: int = 1000):
+        self.service, self.down_after_ms = service, down_after_ms
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvgate-sentinel-")
+        self.primary = RedisServer(data_dir=Path(self._tmp.name) / "primary")
+        self.replicas = [RedisServer(data_dir=Path(self._tmp.name) / f"replica{i}", extra=[
+            "--replicaof", "127.0.0.1", str(self.primary.port)]) for i in range(replicas)]
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.sentinels: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return "redis://" + ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports) + "/0"
+
+    def start(self, timeout: float = 30.0) -> "RedisSentinelServers":
+        for node in (self.primary, *self.replicas):
+            node.start()
+        quorum = len(self.sentinel_ports) // 2 + 1
+        for i, port in enumerate(self.sentinel_ports):
+            conf = Path(self._tmp.name) / f"sentinel{i}.conf"  # a sentinel rewrites its own config
+            conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {self._tmp.name}\n"
+                            f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} {quorum}\n"
+                            f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
+                            f"sentinel failover-timeout {self.service} {4 * self.down_after_ms}\n")
+            self.sentinels.append(subprocess.Popen([find_redis_server(), str(conf), "--sentinel"],
+                                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        self._wait(lambda: all(self._sees_all(p) for p in self.sentinel_ports), timeout)
+        return self
+
+    def _sees_all(self, port: int) -> bool:
+        """A sentinel that knows the primary, its replicas and the other sentinels."""
+        client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.5)
+        try:
+            info = client.sentinel_master(self.service)
+            return (int(info.get("num-slaves", 0)) == len(self.replicas)
+                    and int(info.get("num-other-sentinels", 0)) == len(self.sentinel_ports) - 1)
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def primary_port(self) -> int:
+        """The port of the primary the sentinels name now."""
+        client = redis.Redis(host="127.0.0.1", port=self.sentinel_ports[0])
+        try:
+            return int(client.sentinel_get_master_addr_by_name(self.service)[1])
+        finally:
+            client.close()
+
+    @staticmethod
+    def _wait(ready, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the sentinels were not ready within {timeout}s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for proc in self.sentinels:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(5)
+        for node in (self.primary, *self.replicas):
+            node.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> "RedisSentinelServers":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

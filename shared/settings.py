@@ -153,6 +153,12 @@ class WorkerSettings(CommonSettings):
                                                 "(the batch never waits for a compile)")
     structured_max_spec_bytes: int = Field(65536, ge=1, description="Largest JSON schema, regex, "
                                            "choice list or grammar the worker compiles (larger: 400)")
+    tensor_parallel_size: int = Field(1, ge=1, description="Processes the model is sharded across "
+                                      "(tensor parallelism; one GPU each on CUDA, gloo on CPU): the "
+                                      "worker starts the other ranks itself")
+    tensor_parallel_timeout_s: float = Field(60.0, gt=0, description="A tensor-parallel collective "
+                                             "that waits longer fails, and the worker stops all its "
+                                             "ranks and exits non-zero (a dead rank stops it at once)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")

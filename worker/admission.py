@@ -16,6 +16,7 @@ import redis
 from pydantic import ValidationError
 
 from shared import errors, names, protocol
+from shared.redis_errors import REDIS_ERRORS
 from shared.settings import WorkerSettings
 from worker import checkpoint
 from worker.consumer import PendingEntry
@@ -121,7 +122,7 @@ class Admission:
         rid = entry.request_id
         try:
             self._start(p, entry, ckpt)
-        except redis.RedisError:
+        except REDIS_ERRORS:
             raise
         except EngineRejected as exc:
             self._fail(p, entry, ckpt, exc.code, str(exc), exc.param, when=REJECTED)

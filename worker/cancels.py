@@ -13,7 +13,7 @@ import redis
 
 from shared import names, protocol
 from shared.backoff import Backoff
-from shared.redis_errors import refusal
+from shared.redis_errors import REDIS_ERRORS, refusal
 
 log = logging.getLogger("kvgate.worker")
 
@@ -46,7 +46,7 @@ class CancelListener:
                     msg = pubsub.get_message(timeout=0.5)
                     if msg and msg["type"] == "message":
                         self._on_message(msg["data"])
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("cancel listener: %s; resubscribing", refusal(exc) or exc)
                 self.stopping.wait(backoff.next())
             finally:

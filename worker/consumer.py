@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import redis
 
 from shared import names, protocol
+from shared.redis_errors import REDIS_ERRORS
 from shared.settings import WorkerSettings
 from worker.takeover import claim_orphans
 
@@ -69,7 +70,7 @@ class StreamConsumer:
                     names.CONSUMER_GROUP, self.s.worker_id, {self.stream: ">", self.batch_stream: ">"},
                     count=1, block=100))
                 todo, self.backlog = read[:room], read[room:] + self.backlog
-        except redis.RedisError:  # what was taken waits for Redis
+        except REDIS_ERRORS:  # what was taken waits for Redis
             self.put_back(todo)
             raise
         return todo

@@ -15,7 +15,7 @@ import orjson
 import redis
 
 from shared import names
-from shared.redis_errors import refusal
+from shared.redis_errors import REDIS_ERRORS, refusal
 from shared.settings import WorkerSettings
 
 log = logging.getLogger("kvgate.worker")
@@ -49,7 +49,7 @@ class Heartbeat:
                 if failing:
                     log.info("heartbeat sent again")
                 failing = False
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 if not failing:
                     log.warning("heartbeat failed: %s; retrying every beat", refusal(exc) or exc)
                 failing = True
@@ -77,5 +77,5 @@ class Heartbeat:
             pipe.delete(names.worker_key(self.s.worker_id))
             pipe.zrem(names.WORKERS_ZSET, self.s.worker_id)
             pipe.execute()
-        except redis.RedisError:
+        except REDIS_ERRORS:
             pass

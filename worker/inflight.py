@@ -11,9 +11,8 @@ import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import redis
-
 from shared import errors, protocol
+from shared.redis_errors import REDIS_ERRORS
 from worker.engine.types import RequestError, RequestOutput
 from worker.metrics import WorkerMetrics
 from worker.outcomes import FAILED
@@ -75,7 +74,7 @@ class InFlight:
         for out in outputs:
             try:
                 self._collect_one(out)
-            except redis.RedisError:
+            except REDIS_ERRORS:
                 raise
             except Exception as exc:
                 log.error("request %s failed while its output was sent (%s)", out.request_id,

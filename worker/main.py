@@ -105,4 +105,5 @@ def run_worker(s: WorkerSettings) -> None:
     try:
         service.run()
     finally:
+        getattr(engine, "close", lambda: None)()  # a tensor-parallel engine's other ranks
         telemetry.shutdown()  # spans still batched go out before the process ends

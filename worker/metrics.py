@@ -96,6 +96,20 @@ class StartupCollector:
                                                                "cache_dtype"))
         info.add_metric([*self.labels, str(self.kv.block_size), str(self.kv.num_blocks), self.kv.dtype], 1)
         yield info
+        yield from self._ranks()
+
+    def _ranks(self):
+        """Tensor parallelism: how many ranks, and what each holds (a rank's GPU fills on its own)."""
+        size = GaugeMetricFamily("kvgate_tensor_parallel_size", "Ranks (processes; GPUs on CUDA) the "
+                                 "model is sharded across", labels=LABELS)
+        size.add_metric(self.labels, self.kv.tp_size)
+        yield size
+        memory = GaugeMetricFamily("kvgate_rank_memory_bytes", "Bytes each rank holds, by kind "
+                                   "(weights, kv)", labels=(*LABELS, "rank", "kind"))
+        for r in self.kv.ranks:
+            memory.add_metric([*self.labels, str(r["rank"]), "weights"], r["weight_bytes"])
+            memory.add_metric([*self.labels, str(r["rank"]), "kv"], r["kv_bytes"])
+        yield memory
 
 
 class OutcomeCollector:

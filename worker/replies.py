@@ -21,7 +21,7 @@ import redis
 
 from shared import errors, names, protocol
 from shared.redis_client import is_cluster
-from shared.redis_errors import refusal
+from shared.redis_errors import REDIS_ERRORS, refusal
 from worker import checkpoint
 
 log = logging.getLogger("kvgate.worker")
@@ -84,7 +84,7 @@ class Outbox:
             return []
         try:
             results = self._execute(commands, reads)
-        except redis.RedisError as exc:  # no answer at all: resent whole (a duplicate is harmless)
+        except REDIS_ERRORS as exc:  # no answer at all: resent whole (a duplicate is harmless)
             self._hold(commands, commands, exc, was_held)
             return None
         refused = [(c, r) for c, r in zip(commands, results) if isinstance(r, Exception)]

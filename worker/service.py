@@ -14,12 +14,11 @@ import logging
 import threading
 import time
 
-import redis
 
 from shared import protocol
 from shared.backoff import Backoff
 from shared.redis_client import sync_client
-from shared.redis_errors import refusal
+from shared.redis_errors import REDIS_ERRORS, refusal
 from shared.settings import WorkerSettings
 from worker.admission import Admission
 from worker.cancels import CancelListener
@@ -67,7 +66,7 @@ class WorkerService:
             while not self.stopping.is_set():
                 try:
                     self._iteration()
-                except redis.RedisError as exc:
+                except REDIS_ERRORS as exc:
                     self._on_redis_error(exc)
         finally:
             self.heartbeat.deregister()
@@ -126,7 +125,7 @@ class WorkerService:
         for i, pending in enumerate(todo):
             try:
                 self.admission.admit(pending)
-            except redis.RedisError:  # this entry and the rest wait for Redis
+            except REDIS_ERRORS:  # this entry and the rest wait for Redis
                 self.consumer.put_back(todo[i:])
                 raise
 
@@ -145,7 +144,7 @@ class WorkerService:
             return
         self.stopping.wait(self.backoff.next())
 
-    def _on_redis_error(self, exc: redis.RedisError) -> None:
+    def _on_redis_error(self, exc: Exception) -> None:
         if "NOGROUP" in str(exc):  # Redis came back without our streams: make them again
             self._until_redis(self.consumer.ensure_groups)
             return
@@ -156,6 +155,6 @@ class WorkerService:
         while not self.stopping.is_set():
             try:
                 return fn()
-            except redis.RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("waiting for Redis: %s", refusal(exc) or exc)
                 self.stopping.wait(self.backoff.next())

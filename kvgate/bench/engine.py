@@ -8,6 +8,10 @@ the GEMM the engine itself uses, oneDNN on CPU, which on some CPUs is twice torc
 W2 prefix cache: sequential requests sharing a long prefix, TTFT p50 with caching on vs off.
 W3 KV efficiency: peak concurrency at a fixed KV budget vs reserving max_model_len per sequence,
 and the share of allocated KV slots that hold live tokens.
+With --tensor-parallel-size N, instead: W1's requests through the engine at TP 1 and at TP N on the
+same cores (each rank takes its share of the threads), and at TP N the time rank 0 spends in
+communication (the plan broadcast and the layers' collectives, waits for the other ranks
+included), in ms per step and as a share of the step.
 """
 from __future__ import annotations
 
@@ -155,8 +159,9 @@ def run_engine(engine: LLMEngine, reqs, on_step=None) -> dict:
     start = time.perf_counter()
     for i, (prompt, n) in enumerate(reqs):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
-    decode_steps, tokens = [], 0
+    decode_steps, tokens, steps = [], 0, 0
     while engine.has_unfinished():
+        steps += 1
         running = engine.scheduler.running
         decode_only = not engine.scheduler.waiting and all(s.num_tokens - s.num_computed_tokens == 1 for s in running)
         flops = len(running) * per_token + attn_per_ctx * sum(s.num_tokens for s in running)
@@ -168,7 +173,8 @@ def run_engine(engine: LLMEngine, reqs, on_step=None) -> dict:
             decode_steps.append((len(running), flops, dt))
         if on_step:
             on_step(engine)
-    return {"tokens": tokens, "seconds": time.perf_counter() - start, "decode_steps": decode_steps}
+    return {"tokens": tokens, "seconds": time.perf_counter() - start, "decode_steps": decode_steps,
+            "steps": steps}
 
 
 def workload_1(model_dir: Path, sizes: Sizes) -> dict:
@@ -280,18 +286,56 @@ def workload_3(model_dir: Path, sizes: Sizes) -> dict:
             "num_preemptions": engine.stats()["num_preemptions"]}
 
 
+def workload_tp(model_dir: Path, sizes: Sizes, size: int, reps: int = 3) -> dict:
+    """W1's requests at TP 1 and TP `size`, the engine alone (transformers is not the question).
+    Both engines live side by side and take turns, best of `reps` each: a load that comes and goes
+    on the host then hits both alike."""
+    cfg = read_model_config(model_dir)
+    reqs = w1_requests(sizes, cfg.vocab_size)
+    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    blocks = max(sum(cdiv(len(p) + n, 16) for p, n in reqs), cdiv(max_len, 16))
+    threads = torch.get_num_threads()
+    engines = {n: LLMEngine.from_model_dir(model_dir, num_blocks=blocks, block_size=16, max_model_len=max_len,
+                                           max_num_seqs=256, max_num_batched_tokens=STEP_BUDGET,
+                                           tensor_parallel_size=n) for n in (size, 1)}
+    share = max(1, threads // size)  # what RankProcesses gave each rank
+    # (label, engine, threads): TP 1 on all the threads, TP N, and TP 1 on one rank's share of them
+    runs = [("tp1", engines[1], threads), (f"tp{size}", engines[size], share), (f"tp1_{share}t", engines[1], share)]
+    best: dict[str, dict] = {}
+    try:
+        for rep in range(reps + 1):  # the first: warm-up
+            for label, engine, n_threads in runs:
+                torch.set_num_threads(n_threads)
+                comm_before = engine.runner.shard.comm_seconds
+                result = run_engine(engine, reqs[:4] if rep == 0 else reqs)
+                result["comm"] = engine.runner.shard.comm_seconds - comm_before
+                if rep and (label not in best or result["seconds"] < best[label]["seconds"]):
+                    best[label] = result
+    finally:
+        engines[size].close()
+        torch.set_num_threads(threads)
+    out = {label: {"tok_s": r["tokens"] / r["seconds"], "steps": r["steps"], "step_ms": 1e3 * r["seconds"] / r["steps"],
+                   "comm_ms_per_step": 1e3 * r["comm"] / r["steps"], "comm_share": r["comm"] / r["seconds"]}
+           for label, r in best.items()}
+    return {"size": size, "requests": len(reqs), "threads": threads, "rank_threads": share, "reps": reps,
+            "runs": out, "speedup": out[f"tp{size}"]["tok_s"] / out["tp1"]["tok_s"]}
+
+
 def run_bench(quick: bool = False, out_json: str | None = "bench_engine.json",
-              model_dir: str | Path | None = None) -> dict:
-    """On `model_dir`, or on the random Llama of MODEL built for the run."""
+              model_dir: str | Path | None = None, tensor_parallel_size: int = 1) -> dict:
+    """On `model_dir`, or on the random Llama of MODEL built for the run; with a tensor-parallel
+    size above 1, the TP comparison alone."""
     sizes = Sizes.quick() if quick else Sizes()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(model_dir) if model_dir else build_model(Path(tmp) / "bench-llama")
         report = {"quick": quick, "cpu": cpu_name(), "threads": torch.get_num_threads(),
-                  "model": describe_model(path) if model_dir else MODEL,
-                  "w1": workload_1(path, sizes), "w2": workload_2(path, sizes),
-                  "w3": workload_3(path, sizes)}
-    print(format_table(report))
+                  "model": describe_model(path) if model_dir else MODEL}
+        if tensor_parallel_size > 1:
+            report["tp"] = workload_tp(path, sizes, tensor_parallel_size)
+        else:
+            report.update(w1=workload_1(path, sizes), w2=workload_2(path, sizes), w3=workload_3(path, sizes))
+    print(format_tp_table(report) if "tp" in report else format_table(report))
     if out_json:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(report, indent=2))
@@ -326,4 +370,19 @@ def format_table(report: dict) -> str:
                 f"engine {w1['engine_tok_s']:.1f}; decode {w1['decode_flops'] / 1e9:.1f} GFLOP/s "
                 f"vs torch.mm peak {w1['mm_peak_flops'] / 1e9:.1f} (engine GEMM peak "
                 f"{w1['engine_gemm_peak_flops'] / 1e9:.1f}: {w1['flops_share_vs_engine_gemm_peak']:.0%})")
+    return "\n".join(rows)
+
+
+def format_tp_table(report: dict) -> str:
+    tp = report["tp"]
+    n = tp["size"]
+    rows = ["quick run: smaller workloads"] if report["quick"] else []
+    rows.append(f"W1, {tp['requests']} requests, engine alone, best of {tp['reps']}, on {report['cpu']}, "
+                f"{tp['threads']} torch threads shared by the ranks; model {Path(report['model'].get('dir', 'random Llama')).name}")
+    rows.append(f"{'':<9}{'tok/s':>7}{'steps':>8}{'ms/step':>10}{'comm ms/step':>14}{'comm share':>12}")
+    for key, r in tp["runs"].items():
+        rows.append(f"{key:<9}{r['tok_s']:>7.1f}{r['steps']:>8}{r['step_ms']:>10.2f}"
+                    f"{r['comm_ms_per_step']:>14.2f}{r['comm_share']:>12.1%}")
+    rows.append(f"TP {n} vs TP 1: {tp['speedup']:.2f}x throughput (tp1_{tp['rank_threads']}t: TP 1 on one "
+                f"rank's share of the threads)")
     return "\n".join(rows)

@@ -7,7 +7,8 @@ Prints a table and writes flat JSON with stable names (decode_attn.bw_share, dec
 engine.vs_sequential, engine.vs_static, engine.cuda_graph_speedup, engine.graphs_vs_eager.ok, ...).
 Every section runs in a process of its own, in this order: correctness, decode_attn, then engine:
 the transformers baselines (engine.hf), the engine eager (engine.eager), the engine with CUDA graphs
-(engine.graphs). A CUDA error is sticky for the process that hits it, so a graph capture that breaks
+(engine.graphs); then tp: the engine over 2 GPUs (engine.tp; skipped, saying so, with one GPU
+visible). A CUDA error is sticky for the process that hits it, so a graph capture that breaks
 cannot void the baselines or the other variant. A section that fails or dies records its error and
 the others still run; the JSON is rewritten as values arrive, so a run cut short by its time limit
 still leaves what it measured. --smoke runs every section on tiny shapes on the CPU (Triton
@@ -40,7 +41,7 @@ from check_common import GPU, SMOKE, Report, Scale, interpreter_problem  # noqa:
 
 TARGETS = {"decode_attn.bw_share": 0.70, "engine.vs_sequential": 20.0, "engine.vs_static": 3.0}
 GROUPS = {"correctness": ("correctness",), "decode_attn": ("decode_attn",),
-          "engine": ("engine.hf", "engine.eager", "engine.graphs")}
+          "engine": ("engine.hf", "engine.eager", "engine.graphs"), "tp": ("engine.tp",)}
 STARTED = time.monotonic()
 
 
@@ -58,6 +59,10 @@ def run_section(name: str, s: Scale, part: Path, model_dir: Path, fault: str | N
 
             section = {"correctness": check_kernels.correctness, "decode_attn": check_kernels.decode_bandwidth}
             section[name](report, s)
+        elif name == "engine.tp":
+            import check_engine
+
+            check_engine.tp_variant(report, s, model_dir)
         elif name == "engine.hf":
             import check_engine
 
@@ -132,15 +137,31 @@ def summarise_engine(report: Report, s: Scale) -> None:
         report.put(f"engine.graphs_vs_eager.{key}", value)
 
 
+def summarise_tp(report: Report, s: Scale) -> None:
+    """TP 2 must generate what one GPU does (same tolerance as graphs vs eager); its throughput
+    against the one-GPU graphs run."""
+    v = report.values
+    tp_steps, one_gpu = v.pop("engine.tp.greedy", None), v.get("engine.graphs.greedy")
+    tp, graphs = v.get("engine.tp.tokens_per_s"), v.get("engine.graphs.tokens_per_s")
+    report.put("engine.tp.vs_one_gpu", tp / graphs if tp and graphs else None)
+    if not (tp_steps and one_gpu):
+        return
+    import check_engine
+
+    compared = check_engine.compare_greedy(one_gpu, tp_steps, s.logprob_tolerance)
+    for key in ("ok", "identical_tokens", "max_logprob_diff"):
+        report.put(f"engine.tp_vs_one_gpu.{key}", compared[key])
+
+
 def table(values: dict) -> str:
     rows = []
     for name in ("decode_attn.bw_share", "decode_attn.vs_sdpa", "engine.vs_sequential",
-                 "engine.vs_static", "engine.cuda_graph_speedup"):
+                 "engine.vs_static", "engine.cuda_graph_speedup"):  # then the rest, tp's among them
         value, target = values.get(name), TARGETS.get(name)
         verdict = "" if target is None or value is None else ("PASS" if value >= target else "MISS")
         shown = "n/a" if value is None else f"{value:.3g}"
         rows.append(f"| {name} | {shown} | {'' if target is None else f'>= {target:g}'} | {verdict} |")
-    shown_too = (".ok", ".error", "tokens_per_s", "tb_per_s", "jit_compiles_timed", "graph_steps",
+    shown_too = (".ok", ".error", ".skipped", "vs_one_gpu", "comm_share", "tokens_per_s", "tb_per_s", "jit_compiles_timed", "graph_steps",
                  "identical_tokens", "max_logprob_diff")
     for name, value in sorted(values.items()):
         if name.endswith(shown_too) and name not in TARGETS:
@@ -198,6 +219,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         for name in names:
             spawn_section(name, args, scale, report, Path(tmp), deadline)
+        if "engine.tp" in names:  # first: it reads the graphs run's greedy tokens, which the next pops
+            summarise_tp(report, scale)
         if "engine.hf" in names:
             summarise_engine(report, scale)
     report.put("env.seconds", round(time.monotonic() - STARTED, 1))

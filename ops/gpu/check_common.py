@@ -53,7 +53,7 @@ GPU = Scale(
     logprob_tolerance=0.1,  # bf16 logits carry ~3 significant digits; batch padding reorders GEMMs
     budget_s=460.0,
     section_s={"correctness": 120, "decode_attn": 120, "engine.hf": 150, "engine.eager": 150,
-               "engine.graphs": 150},
+               "engine.graphs": 150, "engine.tp": 150},
 )
 SMOKE = Scale(
     device="cpu", dtype=torch.float32,
@@ -68,7 +68,7 @@ SMOKE = Scale(
     logprob_tolerance=1e-3,
     budget_s=600.0,
     section_s={"correctness": 180, "decode_attn": 180, "engine.hf": 180, "engine.eager": 180,
-               "engine.graphs": 180},
+               "engine.graphs": 180, "engine.tp": 180},
 )
 
 

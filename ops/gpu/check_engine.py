@@ -125,6 +125,29 @@ def engine_variant(report: Report, s: Scale, model_dir: Path, name: str) -> None
     report.put(f"engine.{name}.greedy", greedy(engine, greedy_prompts(s), s.greedy_tokens), quiet=True)
 
 
+def tp_variant(report: Report, s: Scale, model_dir: Path) -> None:
+    """Tensor parallelism over 2 GPUs (NCCL, a rank per GPU, CUDA graphs captured per rank): the
+    timed run and the greedy generations check.py compares with the one-GPU graphs run. Skipped,
+    saying so, with one GPU visible; --smoke runs it on the CPU over gloo."""
+    from worker.engine.engine import LLMEngine
+
+    gpus = torch.cuda.device_count() if s.device == "cuda" else 2
+    if gpus < 2:
+        report.put("engine.tp.skipped", f"{gpus} GPU visible: tensor parallelism needs 2")
+        return
+    engine = LLMEngine.from_model_dir(model_dir, **engine_config(s, "graphs"), tensor_parallel_size=2)
+    try:
+        warm_up(engine, s)
+        tokens, seconds = timed_run(engine, make_requests(s), s)
+        report.put("engine.tp.tokens_per_s", tokens / seconds)
+        report.put("engine.tp.comm_share", engine.runner.shard.comm_seconds / seconds)
+        report.put("engine.tp.graph_steps", getattr(engine.runner, "num_graph_steps", None))
+        report.put("engine.tp.rank_memory", list(engine.runner.rank_memory), quiet=True)
+        report.put("engine.tp.greedy", greedy(engine, greedy_prompts(s), s.greedy_tokens), quiet=True)
+    finally:
+        engine.close()
+
+
 def engine_config(s: Scale, name: str) -> dict:
     """KV sized by the work rather than the free memory. On a CPU (--smoke) nothing is captured, so
     `graphs` runs its decode steps through the graphs' padded buffers instead."""

@@ -2,13 +2,19 @@
 they come from a plain command, a pipeline or inside a Lua script (errors from a real server)."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 import redis
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
 from redis._parsers import _RESP2Parser
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ClusterError, CrossSlotTransactionError, SlotNotCoveredError
 
-from shared.redis_errors import refusal
+from gateway.errors import install
+from shared.redis_errors import FAILING_OVER, refusal
 from shared.redis_server import RedisServer, free_port
 
 
@@ -64,3 +70,46 @@ def test_errors_waiting_cannot_fix_are_not_refusals(redis_server):
     busygroup_text = _parsed("BUSYGROUP Consumer Group name already exists")
     for exc in (wrongtype, nogroup, busygroup_text):
         assert refusal(exc) is None, exc
+
+
+def _cluster_errors() -> dict[str, BaseException]:
+    """What redis-py's cluster client raises in an outage, most of it no RedisError: no node
+    reachable (from a real client), a slot no node serves mid-failover, redirections that never
+    settle, CLUSTERDOWN and MASTERDOWN replies."""
+    async def unreachable() -> BaseException:
+        client = RedisCluster(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.2)
+        with pytest.raises(BaseException) as info:
+            await client.ping()
+        return info.value
+
+    return {"unreachable": asyncio.run(unreachable()),
+            "not covered": SlotNotCoveredError("Slot 866 not covered by the cluster"),
+            "ttl": ClusterError("TTL exhausted."),
+            "down": _parsed("CLUSTERDOWN The cluster is down"),
+            "master down": _parsed("MASTERDOWN Link with MASTER is down")}
+
+
+def test_a_cluster_in_failover_is_a_refusal_and_the_gateway_answers_503_with_retry_after():
+    errors = _cluster_errors()
+    assert not isinstance(errors["unreachable"], redis.RedisError)  # why RedisError alone is not enough
+    assert {k: refusal(e) for k, e in errors.items()} == {
+        "unreachable": "Redis is unreachable", "not covered": FAILING_OVER, "ttl": FAILING_OVER,
+        "down": "the Redis cluster is down", "master down": "Redis's primary is down"}
+    assert refusal(CrossSlotTransactionError("All keys ... same slot")) is None  # a bug, said loudly
+
+    app = FastAPI()
+    install(app)
+
+    @app.get("/fail/{kind}")
+    async def fail(kind: str):
+        raise errors[kind] if kind in errors else CrossSlotTransactionError("keys in two slots")
+
+    with TestClient(app) as client:
+        for kind in [*errors, "crossslot"]:
+            resp = client.get(f"/fail/{kind}")
+            assert resp.status_code == 503 and resp.headers["retry-after"] == "1", (kind, resp.text)
+            error = resp.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["message"].endswith("; retry shortly")
+            if kind != "crossslot":
+                assert error["message"].startswith(refusal(errors[kind]))

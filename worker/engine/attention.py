@@ -5,7 +5,7 @@ Backends read past K/V straight from the paged cache through the block tables.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -21,6 +21,12 @@ class AttentionMetadata:
     max_seq_len: int
     query_lens_cpu: list[int]  # host copies, so CPU backends can loop without syncs
     seq_lens_cpu: list[int]
+
+    def to(self, device: torch.device) -> AttentionMetadata:
+        """The device tensors moved (a no-op on the CPU); the host lists stay."""
+        to = dict(device=device, non_blocking=True)
+        return replace(self, slot_mapping=self.slot_mapping.to(**to), query_start_loc=self.query_start_loc.to(**to),
+                       seq_lens=self.seq_lens.to(**to), block_tables=self.block_tables.to(**to))
 
     @property
     def num_seqs(self) -> int:

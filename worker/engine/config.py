@@ -31,6 +31,8 @@ class EngineConfig:
     structured_compile_timeout_s: float = 10.0  # a grammar not compiled by then fails its request
     structured_max_spec_bytes: int = 65536  # larger schemas, regexes, choices or grammars are refused
     reasoning_parser: str | None = None  # shared/reasoning.py's name; None: from the chat template
+    tensor_parallel_size: int = 1  # processes (one GPU each on CUDA) the model is sharded across
+    tensor_parallel_timeout_s: float = 60.0  # a collective waiting longer fails: the worker exits
 
     def __post_init__(self):
         """A step's length bounds how long a new prompt waits for its first token. A GPU runs 2,048

@@ -94,6 +94,10 @@ class LLMEngine(ModelFacts):
                 self.scheduler.finish(seq, "abort")
                 self._aborted.append(self._output(seq, [], "", None))
 
+    def close(self) -> None:
+        """Stop what the engine started beside itself (a tensor-parallel engine's other ranks)."""
+        self.runner.close()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self.compiling)
 

@@ -132,6 +132,8 @@ class KVCacheFacts:
     max_model_len: int  # the effective one, after fit_max_model_len
     dtype: str
     source: str  # how the budget was chosen, in words
+    tp_size: int = 1  # ranks the model and the cache are split across; the figures above are rank 0's
+    ranks: tuple[dict, ...] = ()  # per rank: rank, pid, weight_bytes, kv_bytes
 
     @property
     def tokens(self) -> int:
@@ -149,17 +151,18 @@ class KVCacheFacts:
     def registry_fields(self) -> dict:
         return {"kv_blocks": self.num_blocks, "kv_block_size": self.block_size,
                 "kv_tokens": self.tokens, "kv_bytes": self.bytes, "kv_dtype": self.dtype,
-                "kv_max_concurrency": self.max_concurrency}
+                "kv_max_concurrency": self.max_concurrency, "tp_size": self.tp_size,
+                "tp_ranks": list(self.ranks)}
 
     def line(self) -> str:
         return (f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.tokens} "
                 f"tokens, {self.bytes} bytes ({_size(self.bytes)}, {self.dtype}; {self.source}); "
                 f"max_model_len {self.max_model_len}: {self.max_concurrency:g} sequences of full "
-                f"length fit")
+                f"length fit" + (f"; per rank of {self.tp_size}" if self.tp_size > 1 else ""))
 
 
 NO_KV_FIELDS = dict.fromkeys(("kv_blocks", "kv_block_size", "kv_tokens", "kv_bytes", "kv_dtype",
-                              "kv_max_concurrency"))  # engines without a paged pool (hf, synthetic)
+                              "kv_max_concurrency", "tp_size", "tp_ranks"))  # engines without a paged pool (hf, synthetic)
 
 
 def cdiv(a: int, b: int) -> int:

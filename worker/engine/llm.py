@@ -37,8 +37,20 @@ class GenerationResult:
 
 
 class LLM:
+    """`LLM(model_dir, tensor_parallel_size=2)` shards the model across two processes; close() (or a
+    `with` block) stops them."""
+
     def __init__(self, model_dir: str | Path, **config_overrides):
         self.engine = LLMEngine.from_model_dir(model_dir, **config_overrides)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: list[str] | list[list[int]],
                  params: SamplingParams | list[SamplingParams] | None = None) -> list[GenerationResult]:

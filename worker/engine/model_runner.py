@@ -1,9 +1,15 @@
-"""Owns the model, the paged KV cache and the sampler; runs one flattened batch per step."""
+"""Owns the model, the paged KV cache and the sampler; runs one flattened batch per step.
+
+Under tensor parallelism (ranks.py) every rank has a runner over its shard of the model and of the
+KV cache (same blocks, same block tables, its own KV heads): rank 0 plans each step, sends the plan
+(BatchInputs on the CPU) to the others, and alone samples; the others `serve()` plans until told to
+stop."""
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -19,17 +25,25 @@ from worker.engine.sequence import Sequence
 from worker.engine.types import TokenLogprob
 from worker.models.config import ModelConfig
 from worker.models.loader import load_model
+from worker.models.parallel import SINGLE, check_shardable
 
 log = logging.getLogger("kvgate.worker")
 
 
 @dataclass
 class BatchInputs:
+    """One step's plan; built on the CPU, moved to the device by each rank."""
+
     input_ids: torch.Tensor  # [T] the new tokens of every scheduled sequence, end to end
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     sample_rows: list[int]  # batch rows whose chunk reaches the end of their tokens
     sample_tokens: torch.Tensor  # [len(sample_rows)] where those rows' last tokens sit in the batch
+
+    def to(self, device: torch.device) -> BatchInputs:
+        to = dict(device=device, non_blocking=True)
+        return BatchInputs(self.input_ids.to(**to), self.positions.to(**to), self.meta.to(device),
+                           self.sample_rows, self.sample_tokens.to(**to))
 
 
 def make_backend(name: str, device: torch.device):
@@ -51,25 +65,52 @@ def make_backend(name: str, device: torch.device):
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int]):
+    def __init__(self, config: EngineConfig, model_cfg: ModelConfig, eos_token_ids: Iterable[int],
+                 group=None):
+        """`group`: this rank's TPGroup when ranks.py started it; rank 0 of a tensor-parallel
+        engine passes none and starts the other ranks here."""
         self.device = config.torch_device()
+        self.ranks = None
+        if group is None and config.tensor_parallel_size > 1:
+            from worker.engine.ranks import RankProcesses
+
+            check_shardable(model_cfg, config.tensor_parallel_size)
+            self.ranks = RankProcesses(config)
+            group = self.ranks.group
+        self.group = group
+        self.shard = group.shard if group is not None else SINGLE
         self.dtype, why = choose_dtype(config.dtype, self.device, model_cfg.dtype, model_cfg.hidden_size,
                                        model_cfg.intermediate_size)
         log.info("dtype %s (%s)", _dtype_name(self.dtype), why)
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device)
-        self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend)
+        self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend, self.shard)
+        self.num_kv_heads = self.shard.kv_heads(model_cfg.num_heads, model_cfg.num_kv_heads)[1]
         self.kv = self._size_kv_cache(config, model_cfg)
         self.num_blocks, self.max_model_len = self.kv.num_blocks, self.kv.max_model_len
-        shape = (self.num_blocks, self.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, model_cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
         ]
+        self.rank_memory = self._rank_memory()
+        self.kv = replace(self.kv, tp_size=self.shard.size, ranks=tuple(self.rank_memory))
         self.sampler = Sampler(eos_token_ids)
         self.decode_graphs = self._build_decode_graphs(config)
         self.num_graph_steps = 0  # decode steps that went through decode_graphs
+
+    def _rank_memory(self) -> list[dict]:
+        """Each rank's weight and KV bytes, in rank order (the registry and metrics report them)."""
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        mine = {"rank": self.shard.rank, "pid": os.getpid(), "weight_bytes": weights, "kv_bytes": self.kv.bytes}
+        return self.group.gather(mine) if self.group is not None else [mine]
+
+    def close(self) -> None:
+        """Stop the other ranks (rank 0 of a tensor-parallel engine; nothing otherwise)."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
 
     @torch.inference_mode()
     def _build_decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
@@ -108,13 +149,16 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def _block_bytes(self, cfg: ModelConfig) -> int:
+        """This rank's bytes of one block: its KV heads only."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim * elem
 
     def _size_kv_cache(self, config: EngineConfig, cfg: ModelConfig) -> KVCacheFacts:
         """Blocks from the budget (the weights are loaded by now), then the context they hold."""
         block_bytes = self._block_bytes(cfg)
         num_blocks, knob, source = self._pool_blocks(config, cfg, block_bytes)
+        if self.group is not None:  # one block table for all ranks: the fewest any rank affords
+            num_blocks = self.group.min_over_ranks(num_blocks)
         wanted = config.max_model_len or cfg.max_position_embeddings
         if num_blocks < 1:
             need = cdiv(wanted, self.block_size)
@@ -134,11 +178,12 @@ class ModelRunner:
         if self.device.type == "cuda":
             return (self._gpu_blocks(config, cfg, block_bytes), "gpu_memory_utilization",
                     f"--gpu-memory-utilization {config.gpu_memory_utilization:g}")
+        ranks = self.shard.size  # on CPU the ranks share one host's memory: each takes its share
         if config.kv_cache_memory is not None:
-            return config.kv_cache_memory // block_bytes, "kv_cache_memory", "--kv-cache-memory"
+            return config.kv_cache_memory // ranks // block_bytes, "kv_cache_memory", "--kv-cache-memory"
         budget, source = cpu_budget(block_bytes, self.block_size, config.max_num_seqs,
                                     config.max_model_len or cfg.max_position_embeddings)
-        return budget // block_bytes, "kv_cache_memory", source
+        return budget // ranks // block_bytes, "kv_cache_memory", source
 
     def _gpu_blocks(self, config: EngineConfig, cfg: ModelConfig, block_bytes: int) -> int:
         """The utilisation share of the card, minus what is in use and a reserve for one step's
@@ -154,18 +199,40 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int | Exception, TokenLogprob | None]]:
         """Forward the batch; sample one token for each sequence whose chunk reached its end (or
         the exception sampling raised for that sequence alone)."""
-        inputs = self._prepare(batch)
-        if self._takes_decode_graph(inputs):
-            logits = self._graph_logits(inputs)
-        else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
-            if not inputs.sample_rows:
-                return []  # only partial prefill chunks: nothing to sample yet
-            logits = self.model.compute_logits(hidden[inputs.sample_tokens])
-        seqs = [batch[r][0] for r in inputs.sample_rows]
+        plan = self._prepare(batch)
+        logits = self.forward(plan) if self.ranks is None else self._forward_on_all_ranks(plan)
+        if logits is None:
+            return []  # only partial prefill chunks: nothing to sample yet
+        seqs = [batch[r][0] for r in plan.sample_rows]
         rows = [SampleRow(s.params, s.prompt_ids, s.output_ids, s.index, s.constraint) for s in seqs]
         tokens, logprobs = self.sampler.sample(logits, rows)
         return list(zip(seqs, tokens, logprobs))
+
+    def _forward_on_all_ranks(self, plan: BatchInputs) -> torch.Tensor | None:
+        """A failure here leaves the ranks out of step (one may wait in a collective the others
+        never reach): the group cannot go on, and the worker stops rather than hang."""
+        try:
+            self.group.send(plan)
+            return self.forward(plan)
+        except Exception as exc:
+            self.ranks.abort(f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})")
+
+    @torch.inference_mode()
+    def forward(self, plan: BatchInputs) -> torch.Tensor | None:
+        """Every rank: the model over the plan; the logits of its sample rows (rank 0's whole), or
+        None when no row samples."""
+        inputs = plan.to(self.device)
+        if self._takes_decode_graph(inputs):
+            return self._graph_logits(inputs)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if not inputs.sample_rows:
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_tokens])
+
+    def serve(self) -> None:
+        """Ranks 1..N-1: run each plan rank 0 sends, until it sends None."""
+        while (plan := self.group.receive()) is not None:
+            self.forward(plan)
 
     def _takes_decode_graph(self, inputs: BatchInputs) -> bool:
         """Decode-only, every row samples (so logits row i is batch row i), and a bucket fits."""
@@ -198,16 +265,14 @@ class ModelRunner:
         positions = torch.arange(len(input_ids)) + offsets[row]
         slots = tables[row, positions // bs].long() * bs + positions % bs
         sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens]
-        to = dict(device=self.device, non_blocking=True)
         meta = AttentionMetadata(
-            slot_mapping=slots.to(**to), query_start_loc=query_start.to(**to),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(**to), block_tables=tables.to(**to),
+            slot_mapping=slots, query_start_loc=query_start,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
         )
         sample_tokens = query_start[1:][sample_rows] - 1
-        return BatchInputs(torch.tensor(input_ids).to(**to), positions.to(**to), meta, sample_rows,
-                           sample_tokens.long().to(**to))
+        return BatchInputs(torch.tensor(input_ids), positions, meta, sample_rows, sample_tokens.long())
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

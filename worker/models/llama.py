@@ -1,8 +1,10 @@
 """Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family.
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
-one matmul each (fewer, larger GEMMs); `checkpoint_names` says where each fused part comes from.
+one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
 Every op mirrors transformers' order of operations so fp32 greedy outputs match it token for token.
+With a Shard of size N > 1 the layers are parallel.py's sharded ones; at N = 1 they are the plain
+ones, the single-device code path unchanged.
 """
 from __future__ import annotations
 
@@ -14,19 +16,11 @@ from torch import nn
 
 from worker.engine.attention import AttentionMetadata
 from worker.models.config import ModelConfig
+from worker.models.linear import Linear
+from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear,
+                                    Shard, VocabParallelEmbedding)
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
-
-
-class Linear(nn.Linear):
-    """fp32 on CPU runs oneDNN's GEMM: torch's default there (MKL) reaches about half of what
-    oneDNN does on AMD cores, at every batch size from decode to prefill."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32:
-            return _ONEDNN_LINEAR(x, self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -68,12 +62,22 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    """This rank's query heads and the KV heads they read (all of them at N = 1)."""
+
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        d = self.head_dim = cfg.head_dim
+        q_first, self.num_heads = shard.split(cfg.num_heads, "attention heads")
+        kv_first, self.num_kv_heads = shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)
+        self.q_size, self.kv_size = self.num_heads * d, self.num_kv_heads * d
+        if shard.size == 1:
+            self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_bias)
+        else:
+            parts = [("q_proj", q_first * d, self.q_size), ("k_proj", kv_first * d, self.kv_size),
+                     ("v_proj", kv_first * d, self.kv_size)]
+            self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias)
+            self.o_proj = RowParallelLinear(q_first * d, self.q_size, cfg.hidden_size, cfg.o_bias, shard)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -98,10 +102,16 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        if shard.size == 1:
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            return
+        first, n = shard.split(cfg.intermediate_size, "intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [("gate_proj", first, n), ("up_proj", first, n)],
+                                                 cfg.mlp_bias)
+        self.down_proj = RowParallelLinear(first, n, cfg.hidden_size, cfg.mlp_bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -109,12 +119,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, shard)
 
     def forward(self, h, cos, sin, kv_cache, meta):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
@@ -122,19 +132,21 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard.size == 1
+                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg, backend)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Backbone(cfg, backend, shard)
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard.size == 1
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard))
         self.inv_freq: torch.Tensor | None = None
 
     def init_rope(self, device: torch.device) -> None:
@@ -154,12 +166,17 @@ class CausalLM(nn.Module):
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab]; under tensor parallelism only rank 0's are the whole rows."""
         return self.lm_head(hidden)
 
-    @staticmethod
-    def checkpoint_names(name: str) -> list[str]:
-        """The checkpoint tensors a (possibly fused) parameter is the concatenation of."""
+    def checkpoint_pieces(self, name: str) -> list[Piece]:
+        """The checkpoint tensors (or this rank's slices of them) a parameter is the
+        concatenation of: a sharded layer says which; a plain fused one takes its parts whole."""
+        module_name, _, param = name.rpartition(".")
+        module = self.get_submodule(module_name)
+        if hasattr(module, "pieces"):
+            return module.pieces(module_name, param)
         for fused, parts in _FUSED.items():
             if f".{fused}." in name:
-                return [name.replace(fused, part) for part in parts]
-        return [name]
+                return [Piece(name.replace(fused, part)) for part in parts]
+        return [Piece(name)]

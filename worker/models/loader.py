@@ -3,12 +3,14 @@ the weights from its safetensors files."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from worker.models.config import ModelConfig
 from worker.models.llama import CausalLM
+from worker.models.parallel import SINGLE, Piece, Shard
 
 
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
@@ -31,7 +33,9 @@ def weight_files(model_dir: str | Path) -> dict[str, Path]:
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
-    """Copy every parameter from the checkpoint; fused params are the concatenation of their parts."""
+    """Copy every parameter from the checkpoint: the concatenation of its pieces (fused parts, or
+    under tensor parallelism this rank's slices, read alone by get_slice). A piece shorter than its
+    parameter (the vocabulary's padding rows) leaves the rest zero."""
     from safetensors import safe_open
 
     files = weight_files(model_dir)
@@ -39,14 +43,32 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            sources = [s if s in files else _fallback(s) for s in model.checkpoint_names(name)]
-            if any(s not in files for s in sources):
+            pieces = [p if p.name in files else replace(p, name=_fallback(p.name))
+                      for p in model.checkpoint_pieces(name)]
+            if any(p.name not in files for p in pieces):
                 missing.append(name)
                 continue
-            tensors = [handles[files[s]].get_tensor(s) for s in sources]
-            param.copy_(torch.cat(tensors, dim=0) if len(tensors) > 1 else tensors[0])
+            tensors = [_read(handles[files[p.name]], p) for p in pieces]
+            _fill(param, tensors, pieces[0].dim if pieces else 0)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
+
+
+def _read(handle, piece: Piece) -> torch.Tensor:
+    if piece.start is None:
+        return handle.get_tensor(piece.name)
+    rows = handle.get_slice(piece.name)
+    return rows[piece.start:piece.stop] if piece.dim == 0 else rows[:, piece.start:piece.stop]
+
+
+def _fill(param: torch.Tensor, tensors: list[torch.Tensor], dim: int) -> None:
+    if len(tensors) == 1 and tensors[0].shape == param.shape:
+        param.copy_(tensors[0])
+        return
+    data = torch.cat(tensors, dim=dim) if tensors else param.new_zeros(0, *param.shape[1:])
+    if data.shape[dim] < param.shape[dim]:
+        param.zero_()
+    param.narrow(dim, 0, data.shape[dim]).copy_(data)
 
 
 def _fallback(name: str) -> str:
@@ -55,10 +77,11 @@ def _fallback(name: str) -> str:
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               attention):
-    """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors."""
+               attention, shard: Shard = SINGLE):
+    """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors
+    (under tensor parallelism: this rank's slices only)."""
     with torch.device("meta"):
-        model = CausalLM(cfg, attention).to(dtype)
+        model = CausalLM(cfg, attention, shard).to(dtype)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty made two tensors of the one tied parameter
         model.lm_head.weight = model.model.embed_tokens.weight

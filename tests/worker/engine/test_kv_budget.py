@@ -70,9 +70,11 @@ def test_the_engine_lowers_the_models_context_to_its_pool_and_reports_it(model_d
     line = next(r for r in caplog.records if r.getMessage().startswith("KV cache:"))
     assert "40 blocks x 16 tokens = 640 tokens, 327680 bytes" in line.getMessage()
     assert "max_model_len 640: 1 sequences of full length fit" in line.getMessage()
-    assert engine.kv_cache_fields() == {"kv_blocks": 40, "kv_block_size": 16, "kv_tokens": 640,
-                                        "kv_bytes": 327680, "kv_dtype": "float32",
-                                        "kv_max_concurrency": 1.0}
+    fields = engine.kv_cache_fields()
+    ranks = fields.pop("tp_ranks")
+    assert fields == {"kv_blocks": 40, "kv_block_size": 16, "kv_tokens": 640, "kv_bytes": 327680,
+                      "kv_dtype": "float32", "kv_max_concurrency": 1.0, "tp_size": 1}
+    assert len(ranks) == 1 and ranks[0]["kv_bytes"] == 327680 and ranks[0]["weight_bytes"] > 0
 
 
 def test_the_engine_refuses_an_explicit_context_its_pool_cannot_hold_and_the_advice_works(model_dir):

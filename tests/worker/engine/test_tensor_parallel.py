@@ -1,0 +1,116 @@
+"""Tensor parallelism on CPU (gloo, two real processes): TP = 2 is token-exact with TP = 1 and with
+transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV head: replicated) and
+Qwen3 (per-head q/k norm), with the prefix cache, preemption and seeded sampling as at TP = 1."""
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from worker.engine.llm import LLM
+from worker.engine.types import SamplingParams
+from worker.models.config import read_model_config
+from worker.models.parallel import check_shardable
+
+torch.set_num_threads(1)
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+SEEDED = [SamplingParams(max_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=100 + i) for i in range(4)]
+SMALL = dict(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128)
+MODELS = {  # name: (arch, overrides)
+    "llama-gqa2-odd-vocab": ("llama", dict(num_kv_heads=2, vocab_size=2047)),
+    "qwen2-one-kv-head": ("qwen2", dict(num_kv_heads=1)),
+    "qwen3-gqa2": ("qwen3", dict(num_kv_heads=2, head_dim=32)),
+}
+
+
+@dataclass
+class Case:
+    model_dir: Path
+    prompts: list[list[int]]
+    expected: list[list[int]]  # transformers' greedy tokens
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def case(request, build_tiny, random_prompts, hf_greedy) -> Case:
+    arch, overrides = MODELS[request.param]
+    model_dir = build_tiny(f"tp-{request.param}", arch, **{**SMALL, **overrides})
+    prompts = random_prompts(6, 3, 40, seed=2)
+    return Case(model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(build_tiny) -> Path:
+    arch, overrides = MODELS["llama-gqa2-odd-vocab"]
+    return build_tiny("tp-llama-gqa2-odd-vocab", arch, **{**SMALL, **overrides})
+
+
+def tokens(results) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
+def test_tp2_matches_tp1_and_transformers_greedy_cached_and_seeded(case):
+    tp1 = LLM(case.model_dir)
+    seeded_tp1 = tokens(tp1.generate(case.prompts[:4], SEEDED))
+    assert tokens(tp1.generate(case.prompts, GREEDY)) == case.expected
+    with LLM(case.model_dir, tensor_parallel_size=2) as tp2:
+        assert tokens(tp2.generate(case.prompts, GREEDY)) == case.expected
+        hits = tp2.engine.stats()["prefix_cache_hits"]
+        assert tokens(tp2.generate(case.prompts, GREEDY)) == case.expected  # from the prefix cache
+        stats = tp2.engine.stats()
+        assert stats["prefix_cache_hits"] > hits
+        assert stats["num_free_blocks"] == stats["num_blocks"]
+        assert tokens(tp2.generate(case.prompts[:4], SEEDED)) == seeded_tp1
+
+
+def test_each_rank_holds_half_the_weights_and_its_share_of_the_kv(llama_dir):
+    model_dir = llama_dir
+    whole = LLM(model_dir, num_blocks=32).engine.runner.rank_memory
+    with LLM(model_dir, num_blocks=32, tensor_parallel_size=2) as tp2:
+        ranks = tp2.engine.runner.rank_memory
+    assert [r["rank"] for r in ranks] == [0, 1]
+    for r in ranks:  # norms are replicated and the vocabulary padded: a little over half
+        assert 0.5 * whole[0]["weight_bytes"] <= r["weight_bytes"] < 0.52 * whole[0]["weight_bytes"]
+        assert r["kv_bytes"] == whole[0]["kv_bytes"] // 2  # 1 of 2 KV heads, the same 32 blocks
+
+
+def test_forced_preemption_at_tp2_stays_exact(llama_dir, random_prompts, hf_greedy):
+    model_dir = llama_dir
+    prompts = random_prompts(6, 3, 40, seed=2)
+    with LLM(model_dir, tensor_parallel_size=2, num_blocks=8, block_size=8, max_num_batched_tokens=64) as tp2:
+        assert tokens(tp2.generate(prompts, GREEDY)) == hf_greedy(model_dir, prompts, MAX_NEW)
+        assert tp2.engine.stats()["num_preemptions"] > 0
+
+
+def test_a_model_that_does_not_split_is_refused_before_any_rank_starts(llama_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's attention heads \(4\)"):
+        check_shardable(read_model_config(llama_dir), 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLM(llama_dir, tensor_parallel_size=3)
+
+
+def test_structured_outputs_at_tp2_are_those_of_tp1(tiny_model_dir):
+    """The grammar masks the logits on rank 0, where the sampler runs: with the same seeds, TP = 2
+    writes exactly TP = 1's constrained tokens, and they match."""
+    import json
+    import re
+
+    from shared.sampling import StructuredOutputs
+    schema = {"type": "object", "additionalProperties": False, "required": ["n", "ok"],
+              "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                             "ok": {"type": "boolean"}}}
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=s,
+                             structured_outputs=StructuredOutputs(json=json.dumps(schema)))
+              for s in range(3)]
+    params += [SamplingParams(max_tokens=20, temperature=1.0, seed=s,
+                              structured_outputs=StructuredOutputs(regex=regex)) for s in range(3)]
+    prompts = [[5, 17, 301, 42, 999, 7]] * len(params)
+    tp1 = LLM(tiny_model_dir).generate(prompts, params)
+    with LLM(tiny_model_dir, tensor_parallel_size=2) as tp2:
+        got = tp2.generate(prompts, params)
+    assert tokens(got) == tokens(tp1)
+    for r in got[:3]:
+        assert set(json.loads(r.text)) == {"n", "ok"}
+    for r in got[3:]:
+        assert re.fullmatch(regex, r.text), r.text
