@@ -14,13 +14,14 @@ from gateway.errors import redis_unavailable
 from shared import names, protocol
 from shared.redis_client import is_cluster
 from shared.errors import (EngineFailure, KvgateError, Overloaded, PayloadTooLarge, RequestTimeout,
-                           UnsupportedSchema, from_code)
+                           ResumeFailed, UnsupportedSchema, from_code)
 from shared.telemetry import traced
 
 log = logging.getLogger("kvgate.gateway")
 KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
 RESYNC = object()  # put in every open queue after a resubscribe: replies may have been missed
 CANCEL_MARK_TTL_S = 600
+FOLLOW_POLL_S = 0.05  # how often a follower reads the reply log for new lines
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
 # An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms), in the
 # same round trip, so batch runners know to yield. Answers the new entry's id, or FULL.
@@ -168,6 +169,7 @@ class Handle:
         self.done = False
         self.tokens = 0  # tokens the worker produced that this handle saw
         self.refused = False  # the worker answered with an error before producing any token
+        self.outlives_client = False  # a client that leaves does not cancel it (a resume may come)
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise."""
@@ -232,9 +234,62 @@ class Handle:
         return out
 
     def close(self, reason: str = "client_disconnected") -> None:
-        if not self.done:
+        if not self.done and not self.outlives_client:
             self.dispatcher.cancel_soon(self.request_id, reason)
         self.dispatcher.release(self.request_id)
+
+
+class LogFollower(Handle):
+    """The replies of a request being resumed, read from its reply log: the worker publishes to the
+    channel of the gateway that dispatched it, which may be gone, and appends every reply to the
+    log as it publishes it. The log only grows, so each read fetches only the lines not yet read."""
+
+    def __init__(self, dispatcher: Dispatcher, request_id: str, deadline: float):
+        super().__init__(dispatcher, request_id, asyncio.Queue(), deadline)
+        self._read = 0  # lines of the log read so far
+        self._truncated = False  # the worker stopped appending deltas (KVGATE_MAX_CHECKPOINT_BYTES)
+
+    async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
+        quiet = time.monotonic()
+        while not self.done:
+            if time.time() >= self.deadline:
+                raise RequestTimeout("request exceeded its total time limit")
+            fresh = await self._tail()
+            for reply in fresh:
+                yield self._accept(reply)
+            if fresh:
+                quiet = time.monotonic()
+            elif time.monotonic() - quiet >= keepalive_s:
+                quiet = time.monotonic()
+                yield KEEPALIVE
+            else:
+                await asyncio.sleep(FOLLOW_POLL_S)
+
+    async def _tail(self) -> list:
+        """The log's new replies after last_seq, in order; a gap (a truncated log) raises."""
+        try:
+            raws = await self.dispatcher.redis.lrange(names.checkpoint_key(self.request_id), self._read, -1)
+        except Exception as exc:  # Redis away: the deadline bounds the wait
+            log.warning("reply log unavailable for %s: %s", self.request_id, type(exc).__name__)
+            await asyncio.sleep(FOLLOW_POLL_S * 10)
+            return []
+        self._read += len(raws)
+        out, want = [], self.last_seq + 1
+        for raw in raws:
+            try:
+                reply = protocol.decode_reply(raw)
+            except ValueError:  # a line of a schema this gateway does not read: a gap below
+                continue
+            if reply.seq == 0:
+                self._truncated = True
+            elif reply.seq == want:
+                out.append(reply)
+                want += 1
+            elif reply.seq > want:
+                raise ResumeFailed(f"the reply log of {self.request_id} lacks sequence {want}"
+                                   f"{' (it reached KVGATE_MAX_CHECKPOINT_BYTES)' if self._truncated else ''}"
+                                   "; send the request again", retry_after=1)
+        return out
 
 
 class Lookahead:
