@@ -209,14 +209,15 @@ async def _hold(state: GatewayState, lease: Lease, answer: Answer, call: Call) -
     spec = resume.shape_spec(call.kind, body.model, body.n, answer.shape.created, call.include_usage(),
                              body.tools if chat else None, body.choice() if chat else None,
                              body.parallel_tool_calls if chat else True, parser)
-    stream = StreamLease(lease.key.id, handle.request_id)
+    stream = StreamLease(lease.key.id, answer.shape.id)
     try:
-        await state.streams.open(stream, lease.holdings(), handle.deadline, spec)
+        await state.streams.open(stream, lease.holdings(), handle.deadline, spec, handle.request_id)
     except Exception as exc:
-        log.warning("stream %s is not resumable (%s)", handle.request_id, type(exc).__name__)
+        log.warning("stream %s is not resumable (%s)", stream.request_id, type(exc).__name__)
         return
     lease.streamed(stream)
     handle.outlives_client = state.settings.resume_grace_s > 0
+    handle.on_attempt = lambda attempt_id: state.streams.follow(stream, attempt_id)
 
 
 async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int) -> Response:
@@ -224,7 +225,8 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
     log; this gateway takes over its settlement unless it is over and settled already."""
     stream = StreamLease(lease.key.id, request_id)
     record = await state.streams.find(stream)
-    follower = LogFollower(state.dispatcher, request_id, float(record["deadline"]) if record else 0)
+    follower = LogFollower(state.dispatcher, record.get("follow", request_id) if record else request_id,
+                           float(record["deadline"]) if record else 0)
     got = Attach.GONE if record is None or record.get("settled") == ABANDONED else \
         await state.streams.attach(stream)
     if got == Attach.SETTLED and not await state.redis.exists(names.checkpoint_key(request_id)):
@@ -430,7 +432,7 @@ async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usa
     number; a resumed stream (`after` >= 0) reads its replies from the start but sends only the
     events after `after`. A disconnect cancels the request (in `finally`), unless it may be resumed
     within KVGATE_RESUME_GRACE_S."""
-    shape, rid = answer.shape, answer.handle.request_id
+    shape, rid = answer.shape, answer.shape.id  # the id the client knows, whichever attempt serves it
     try:
         if shape.kind == "chat" and after < 0:
             yield _event(shape.chunk(shape.role_choices()), resume.event_id(rid, 0))

@@ -15,6 +15,7 @@ from gateway.keystore import KeyStore
 from gateway.limits import Limits
 from gateway.registry import Registry
 from gateway.rescue import Rescuer
+from gateway.retry import Retarget
 from gateway.routing import Router
 from gateway.stream_leases import StreamLeases
 from gateway.throttle import Throttle
@@ -50,7 +51,8 @@ class GatewayState:
         router = Router(client, registry, settings.worker_stale_s)
         limits, usage = Limits(client, settings), UsageBook(client, settings.usage_retention_days)
         dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
-                                settings.interactive_mark_ms, settings.max_entry_bytes)
+                                settings.interactive_mark_ms, settings.max_entry_bytes,
+                                settings.retries_before_first_token, Retarget(router, registry))
         return cls(
             settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
             rescuer=Rescuer(client, router, settings.max_stream_depth),

@@ -63,6 +63,11 @@ if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
 redis.call('HSET', KEYS[1], 'until', ARGV[2])
 return 1
 """
+# KEYS: lease. ARGV: the attempt's request id (a lease that expired is not made again, untimed).
+FOLLOW = """
+if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'follow', ARGV[1]) end
+return 1
+"""
 # KEYS: lease. ARGV: settled-as, now, honour the hold (1) or not (0: the holder claims), TTL.
 # Answers -1 (gone), 0 (settled already), -2 (still held) or the lease's fields (won).
 CLAIM = """
@@ -111,6 +116,7 @@ class StreamLeases:
         self._attach = redis.register_script(ATTACH)
         self._renew = redis.register_script(RENEW)
         self._claim = redis.register_script(CLAIM)
+        self._follow = redis.register_script(FOLLOW)
         self._loop: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -123,10 +129,13 @@ class StreamLeases:
     def _held_until(self) -> float:
         return time.time() + HOLD_S + self.grace_s
 
-    async def open(self, lease: StreamLease, held: Holdings, deadline: float, shape: dict) -> None:
-        """Writes the lease, held by this gateway, before the stream's 200 goes out."""
+    async def open(self, lease: StreamLease, held: Holdings, deadline: float, shape: dict,
+                   attempt_id: str) -> None:
+        """Writes the lease, held by this gateway, before the stream's 200 goes out; `attempt_id`:
+        the request id whose reply log a resume follows (a retry's, gateway/retry.py)."""
         until = self._held_until()
         fields = held.fields() | {"request_id": lease.request_id, "deadline": repr(deadline),
+                                  "follow": attempt_id,
                                   "shape": orjson.dumps(shape), "holder": self.me, "until": repr(until)}
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(lease.name, mapping=fields)
@@ -134,6 +143,10 @@ class StreamLeases:
         await pipe.execute()
         await self.redis.zadd(names.OPEN_STREAMS, {lease.member: until})
         self.held.add(lease)
+
+    async def follow(self, lease: StreamLease, attempt_id: str) -> None:
+        """The request was sent again (before its first token) as `attempt_id`: resumes read its log."""
+        await self._follow(keys=[lease.name], args=[attempt_id])
 
     async def find(self, lease: StreamLease) -> dict[str, str] | None:
         raw = await self.redis.hgetall(lease.name)
@@ -201,13 +214,15 @@ class StreamLeases:
         return settled
 
     async def _settle_lapsed(self, lease: StreamLease) -> int:
-        end, tokens = await _end_of(self.redis, lease.request_id)
+        follow = await self.redis.hget(lease.name, "follow")
+        attempt_id = follow.decode() if follow else lease.request_id
+        end, tokens = await _end_of(self.redis, attempt_id)
         held = await self.claim(lease, "done" if isinstance(end, protocol.Done) else ABANDONED,
                                 honour_hold=True)
         if held is None:
             return 0
         if end is None:  # still queued or running: nobody is left to read it
-            self.cancel(lease.request_id, "client_gone")
+            self.cancel(attempt_id, "client_gone")
         usage = _usage(end) if isinstance(end, protocol.Done) else None
         refused = isinstance(end, protocol.ErrorReply) and tokens == 0
         await settle(self.limits, self.book, held, usage, refused)

@@ -255,3 +255,43 @@ def test_a_client_that_leaves_can_come_back_within_the_grace_and_one_that_does_n
 async def _late(url: str, key: str, request_id: str, last_id: str, seen: Seen) -> None:
     async with httpx.AsyncClient(timeout=30) as client:
         await read_sse(client, "GET", f"{url}/v1/streams/{request_id}", key, seen, last_id=last_id)
+
+
+def test_a_canary_failing_before_its_first_token_is_retried_on_stable_and_charged_once(tmp_path, tiny_model_dir):
+    """KVGATE_FAULT_ERROR_RATE=1 on the canary: every request it takes fails at admission; each is
+    sent again to the stable version and served; the key pays each once; the retries are counted."""
+    cluster = Cluster(tmp_path, tiny_model_dir)
+    try:
+        cluster.start_gateway(KVGATE_ADMIN_KEY=ADMIN)
+        cluster.start_worker("w1")
+        cluster.start_worker("w2", "--version", "v2", "--fault-error-rate", "1.0")
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        r = httpx.put(cluster.url + "/admin/canary/demo", headers=admin, timeout=10,
+                      json={"version": "v2", "stable": "v1", "weight": 100})
+        assert r.status_code == 200, r.text
+        key = _create_key(cluster.url, "retried")
+        key_id = cluster.client.hget(names.KEY_NAMES, "retried").decode()
+        bodies = [_body(i, 12) for i in range(6)]
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=60) as client:
+                seen = [Seen() for _ in bodies]
+                await asyncio.gather(*(read_sse(client, "POST", cluster.url + _path(b), key, seen[i], b)
+                                       for i, b in enumerate(bodies)))
+                whole = await client.post(cluster.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                          json={**bodies[1], "stream": False, "stream_options": None})
+                return seen, whole
+
+        seen, whole = asyncio.run(scenario())
+        assert all(s.status == 200 and s.done and s.error is None for s in seen), [s.error for s in seen]
+        assert all(s.usage()["completion_tokens"] == 12 for s in seen)
+        assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 12
+        _wait_for(lambda: cluster.info("w1")["requests_finished"] == 7)  # all served by stable
+        _wait_for(lambda: _usage(cluster, key_id).get("requests", 0) >= 7)
+        time.sleep(0.3)
+        usage = _usage(cluster, key_id)
+        assert usage["requests"] == 7 and "errors" not in usage and usage["completion_tokens"] == 7 * 12
+        page = httpx.get(cluster.url + "/metrics").text
+        assert 'kvgate_gateway_retries_total{code="engine_error",model="demo",version="v2"} 7.0' in page
+    finally:
+        cluster.close()
