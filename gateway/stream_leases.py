@@ -196,7 +196,7 @@ class StreamLeases:
         until = self._held_until()
         pipe = self.redis.pipeline(transaction=False)
         for lease in held:
-            self._renew(keys=[lease.name], args=[self.me, repr(until)], client=pipe)
+            await self._renew(keys=[lease.name], args=[self.me, repr(until)], client=pipe)  # queued
         renewed = await pipe.execute()
         mine = {lease.member: until for lease, ok in zip(held, renewed) if ok}
         self.held.difference_update(lease for lease, ok in zip(held, renewed) if not ok)

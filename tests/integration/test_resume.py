@@ -151,7 +151,9 @@ def test_streams_survive_their_gateway_sigkilled_mid_stream(two_gateways):
             seen = [Seen() for _ in range(n)]
             first = [asyncio.create_task(read_sse(client, "POST", (url1 if i in on_g1 else url2) + _path(b),
                                                   key, seen[i], b)) for i, b in enumerate(bodies)]
+            deadline = time.monotonic() + 120
             while not all(len(seen[i].events) >= 4 for i in on_g1):
+                assert time.monotonic() < deadline, [(s.status, s.error, len(s.events)) for s in seen]
                 await asyncio.sleep(0.01)
             g1.send_signal(signal.SIGKILL)
             await asyncio.gather(*first)
