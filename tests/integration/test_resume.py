@@ -147,29 +147,30 @@ def test_streams_survive_their_gateway_sigkilled_mid_stream(two_gateways):
     on_g1 = [i for i in range(n) if i % 2 == 0]
 
     async def scenario():
+        seen, cut = [Seen() for _ in range(n)], {}
         async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=64)) as client:
-            seen = [Seen() for _ in range(n)]
-            first = [asyncio.create_task(read_sse(client, "POST", (url1 if i in on_g1 else url2) + _path(b),
-                                                  key, seen[i], b)) for i, b in enumerate(bodies)]
+
+            async def cut_and_resumed(i: int, body: dict):
+                """On the gateway that dies; back at once to the other with Last-Event-ID: half
+                resend the same POST, half GET /v1/streams/<id>."""
+                await read_sse(client, "POST", url1 + _path(body), key, seen[i], body)
+                assert not seen[i].done, "the kill should land mid-stream"
+                cut[i] = seen[i].last_id
+                if i % 4 == 2:
+                    rid = cut[i].rpartition(":")[0]
+                    await read_sse(client, "GET", f"{url2}/v1/streams/{rid}", key, seen[i], last_id=cut[i])
+                else:
+                    await read_sse(client, "POST", url2 + _path(body), key, seen[i], body, cut[i])
+
+            tasks = [asyncio.create_task(cut_and_resumed(i, b) if i in on_g1 else
+                                         read_sse(client, "POST", url2 + _path(b), key, seen[i], b))
+                     for i, b in enumerate(bodies)]
             deadline = time.monotonic() + 120
             while not all(len(seen[i].events) >= 4 for i in on_g1):
                 assert time.monotonic() < deadline, [(s.status, s.error, len(s.events)) for s in seen]
                 await asyncio.sleep(0.01)
             g1.send_signal(signal.SIGKILL)
-            await asyncio.gather(*first)
-            cut = {i: seen[i].last_id for i in on_g1}
-            # half resend the same POST, half GET /v1/streams/<id>; both with Last-Event-ID
-            again = []
-            for j, i in enumerate(on_g1):
-                assert not seen[i].done, "the kill should land mid-stream"
-                rid = cut[i].rpartition(":")[0]
-                if j % 2:
-                    again.append(read_sse(client, "POST", url2 + _path(bodies[i]), key, seen[i],
-                                          bodies[i], cut[i]))
-                else:
-                    again.append(read_sse(client, "GET", f"{url2}/v1/streams/{rid}", key, seen[i],
-                                          last_id=cut[i]))
-            await asyncio.gather(*again)
+            await asyncio.gather(*tasks)
             return seen, cut
 
     seen, cut = asyncio.run(scenario())
