@@ -13,11 +13,14 @@ from fastapi import Depends, Request
 
 from gateway.auth import CurrentKey
 from gateway.deps import StateDep
+from gateway import holdings
 from gateway.dispatch import Handle
+from gateway.holdings import Holdings
 from gateway.keys import KeyRecord
 from gateway.limits import Reservation
 from gateway.routing import Outcome
 from gateway.state import GatewayState
+from gateway.stream_leases import ABANDONED, StreamLease
 from shared import names
 from shared.telemetry import tracer
 
@@ -40,6 +43,8 @@ class Lease:
     outcome: Outcome | None = None  # timings and ending, for the canary analysis
     usage: dict | None = None  # the `usage` the client received
     error_status: int | None = None  # the status of an error a stream ended with
+    resuming: bool = False  # resumes a stream (Last-Event-ID): the original's slot and tokens stand
+    stream: StreamLease | None = None  # set once its holdings are in Redis: settled by claim, once
 
     def reserved(self, reservation: Reservation) -> None:
         """Tokens were charged to the key's minute and day (settled at the end)."""
@@ -59,15 +64,32 @@ class Lease:
         """The stream ended with an error event of this status (its 200 had gone out)."""
         self.error_status = status
 
+    def streamed(self, stream: StreamLease) -> None:
+        """Its holdings are in Redis now: whichever gateway ends the stream settles them."""
+        self.stream = stream
+
+    def adopt(self, stream: StreamLease, held: Holdings, handle: Handle) -> None:
+        """A resume took the stream over: this lease settles the original's holdings at the end."""
+        self.stream, self.handle = stream, handle
+        self.slot_id, self.slot = held.slot_id or "", held.slot_id is not None
+        self.reservation, self.model, self.version = held.reservation, held.model, held.version
+
+    def holdings(self) -> Holdings:
+        return Holdings(self.key.id, self.slot_id if self.slot else None, self.reservation,
+                        self.model, self.version)
+
+    def refused(self) -> bool:
+        return bool(self.handle and self.handle.refused)
+
+    def ended(self) -> bool:
+        """The client saw the stream's end: its usage, or an error."""
+        return self.usage is not None or self.error_status is not None
+
     def charged_tokens(self) -> int:
         """Actual tokens when the request finished; nothing if it never reached a worker or the
         worker refused it before producing a token; else the reservation stands (a client that
         leaves mid-stream is not refunded)."""
-        if self.usage is not None:
-            return self.usage["total_tokens"]
-        if self.version is None or self.reservation is None or (self.handle and self.handle.refused):
-            return 0
-        return self.reservation.estimate
+        return self.holdings().charged(self.usage, self.refused())
 
 
 def set_ratelimit_headers(request: Request, headers: dict[str, str]) -> None:
@@ -80,13 +102,26 @@ def _lane(request: Request) -> str:
     return getattr(request.state, "lane", names.DEFAULT_LANE)  # set by authenticate
 
 
+def resumes(request: Request) -> bool:
+    """A stream resumed by its client (Last-Event-ID on a streaming route, or /v1/streams): the
+    same request again, so it takes no new request of the minute and no new slot."""
+    path = request.url.path
+    return path.startswith(RESUME_PREFIX) or (
+        "last-event-id" in request.headers and path in RESUMABLE_PATHS)
+
+
+RESUMABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+RESUME_PREFIX = "/v1/streams/"
+
+
 async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIterator[Lease]:
     limits = state.limits
+    lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request), resuming=resumes(request))
     with tracer().start_as_current_span("limits"):
         set_ratelimit_headers(request, await limits.token_window(key))
-        set_ratelimit_headers(request, await limits.count_request(key))
-        lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request))
-        lease.slot = await limits.acquire_slot(key, lease.slot_id)
+        if not lease.resuming:
+            set_ratelimit_headers(request, await limits.count_request(key))
+            lease.slot = await limits.acquire_slot(key, lease.slot_id)
     request.state.lease = lease  # for the metrics and the access line (gateway/observe.py)
     try:
         yield lease
@@ -95,21 +130,30 @@ async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIter
 
 
 async def settle(state: GatewayState, lease: Lease) -> None:
-    try:
-        if lease.reservation is not None:
-            await state.limits.settle_tokens(lease.reservation, lease.charged_tokens())
-        if lease.version is not None:
-            await state.usage.record(lease.key.id, lease.model, lease.version, lease.usage)
-        if lease.outcome is not None:
+    """What the request holds, given back once: here, unless its holdings went to Redis with its
+    stream and another gateway settles them (or will, if its client comes back there)."""
+    if lease.stream is None or await _claimed(state, lease):
+        await holdings.settle(state.limits, state.usage, lease.holdings(), lease.usage, lease.refused())
+    if lease.outcome is not None:
+        try:
             await state.router.record(lease.outcome)
-    except Exception as exc:  # Redis trouble must not turn a served response into an error
-        log.warning("could not settle usage of key %s: %s", lease.key.id, type(exc).__name__)
-    finally:
-        if lease.slot:
-            try:
-                await state.limits.release_slot(lease.key, lease.slot_id)
-            except Exception as exc:  # a read-only Redis: the slot frees itself at its expiry
-                log.warning("could not release a slot of key %s: %s", lease.key.id, type(exc).__name__)
+        except Exception as exc:  # Redis trouble must not turn a served response into an error
+            log.warning("could not record the outcome of key %s: %s", lease.key.id, type(exc).__name__)
+
+
+async def _claimed(state: GatewayState, lease: Lease) -> bool:
+    """Whether this gateway settles the stream's holdings now: it saw the end, or its client left
+    and there is no grace; a client that left within a grace is let go (a resume may come back)."""
+    streams = state.streams
+    try:
+        if not lease.ended() and streams.grace_s > 0:
+            await streams.let_go(lease.stream)
+            return False
+        as_ = "done" if lease.usage is not None else "error" if lease.ended() else ABANDONED
+        return await streams.claim(lease.stream, as_, honour_hold=False) is not None
+    except Exception as exc:  # its hold lapses, and a sweeper settles it from the reply log
+        log.warning("could not settle stream %s here: %s", lease.stream.request_id, type(exc).__name__)
+        return False
 
 
 Admitted = Annotated[Lease, Depends(admit)]

@@ -6,21 +6,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway import retry
 from gateway.errors import redis_unavailable
 from shared import names, protocol
 from shared.redis_client import is_cluster
 from shared.errors import (EngineFailure, KvgateError, Overloaded, PayloadTooLarge, RequestTimeout,
-                           UnsupportedSchema, from_code)
+                           ResumeFailed, UnsupportedSchema, from_code)
 from shared.telemetry import traced
 
 log = logging.getLogger("kvgate.gateway")
 KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
 RESYNC = object()  # put in every open queue after a resubscribe: replies may have been missed
 CANCEL_MARK_TTL_S = 600
+FOLLOW_POLL_S = 0.05  # how often a follower reads the reply log for new lines
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
 # An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms), in the
 # same round trip, so batch runners know to yield. Answers the new entry's id, or FULL.
@@ -34,8 +37,11 @@ return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
 
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000,
-                 interactive_mark_ms: int = 1000, max_entry_bytes: int = 1 << 20):
+                 interactive_mark_ms: int = 1000, max_entry_bytes: int = 1 << 20,
+                 max_retries: int = 0, retarget: retry.Retarget | None = None):
         self.redis = redis
+        self.max_retries = max_retries  # sends again of a request that failed before its first token
+        self.retarget = retarget  # where such a retry goes (None: the same version, same schema)
         self.max_stream_depth = max_stream_depth
         self.max_entry_bytes = max_entry_bytes
         self.interactive_mark_ms = interactive_mark_ms
@@ -105,6 +111,13 @@ class Dispatcher:
         """Enqueue, in the schema the stream's workers speak (`schema`, the oldest among them; None:
         workers from before they said, which spoke 1); an interactive entry also marks its model
         busy for the batch runners."""
+        queue = await self.enqueue(stream, entry, interactive, schema)
+        return Handle(self, entry.request_id, queue, entry.deadline,
+                      attempt=Attempt(stream, entry, interactive, schema))
+
+    async def enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
+                      schema: int | None) -> asyncio.Queue:
+        """The bounded XADD; the queue its replies will arrive on (registered before the XADD)."""
         if not self.subscribed.is_set():
             raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)
         raw = protocol.encode(entry, version=protocol.peer_version(schema))
@@ -126,7 +139,7 @@ class Dispatcher:
             self.queues.pop(entry.request_id, None)
             raise Overloaded(f"model '{entry.model}' is at its queue depth limit of "
                              f"{self.max_stream_depth} requests; retry shortly", retry_after=2)
-        return Handle(self, entry.request_id, queue, entry.deadline)
+        return queue
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Fire-and-forget: safe to call from a cancelled task's `finally`."""
@@ -154,23 +167,81 @@ class Dispatcher:
         self.queues.pop(request_id, None)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """What sending a request (again) takes."""
+
+    stream: str
+    entry: protocol.RequestEntry
+    interactive: bool
+    schema: int | None
+
+    @property
+    def lane(self) -> str:
+        return self.stream.rpartition(":")[2]
+
+
 class Handle:
     """The replies of one request, in sequence order: duplicates dropped, gaps filled from the
-    request's checkpoint log (or refused with a clear error, never passed over in silence)."""
+    request's checkpoint log (or refused with a clear error, never passed over in silence); sent
+    again when it fails before its first token (gateway/retry.py)."""
 
     def __init__(self, dispatcher: Dispatcher, request_id: str, queue: asyncio.Queue,
-                 deadline: float):
+                 deadline: float, attempt: Attempt | None = None):
         self.dispatcher = dispatcher
-        self.request_id = request_id
+        self.request_id = request_id  # of the attempt in flight: its replies, log and cancel
+        self.client_id = request_id  # the id the client knows, whichever attempt serves it
+        self.attempt = attempt
+        self.retries = 0
+        self.on_attempt: Callable[[str], Awaitable[None]] | None = None  # told each retry's id
         self.queue = queue
         self.deadline = deadline
         self.last_seq = 0
         self.done = False
         self.tokens = 0  # tokens the worker produced that this handle saw
         self.refused = False  # the worker answered with an error before producing any token
+        self.outlives_client = False  # a client that leaves does not cancel it (a resume may come)
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
-        """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise."""
+        """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise,
+        but those before the first token that a retry may cure send the request again first."""
+        while True:
+            try:
+                async for reply in self._replies(keepalive_s):
+                    yield reply
+                return
+            except KvgateError as exc:
+                if not await self._again(exc):
+                    raise
+
+    async def _again(self, exc: KvgateError) -> bool:
+        """Sends the request again if it may be: no token yet, a retry left, an error the request
+        is not to blame for. The original error stands if the retry cannot be queued."""
+        if (self.attempt is None or self.tokens or self.retries >= self.dispatcher.max_retries
+                or not retry.retryable(exc)):
+            return False
+        old, first = self.attempt, self.attempt.entry
+        version, schema = (await self.dispatcher.retarget(first.model, first.version)
+                           if self.dispatcher.retarget else (first.version, old.schema))
+        entry = first.model_copy(update={"request_id": f"{self.client_id}-r{self.retries + 1}",
+                                         "version": version})
+        stream = names.request_stream(entry.model, version, old.lane)
+        try:
+            queue = await self.dispatcher.enqueue(stream, entry, old.interactive, schema)
+        except KvgateError:
+            return False
+        retry.counted(first.model, first.version, exc)
+        log.warning("request %s failed before its first token (%s); sent again as %s to %s",
+                    self.request_id, exc.code, entry.request_id, version)
+        self.dispatcher.release(self.request_id)
+        self.attempt, self.request_id, self.queue = Attempt(stream, entry, old.interactive, schema), \
+            entry.request_id, queue
+        self.retries, self.last_seq, self.done, self.refused = self.retries + 1, 0, False, False
+        if self.on_attempt is not None:
+            await self.on_attempt(entry.request_id)
+        return True
+
+    async def _replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         while not self.done:
             remaining = self.deadline - time.time()
             if remaining <= 0:
@@ -232,9 +303,62 @@ class Handle:
         return out
 
     def close(self, reason: str = "client_disconnected") -> None:
-        if not self.done:
+        if not self.done and not self.outlives_client:
             self.dispatcher.cancel_soon(self.request_id, reason)
         self.dispatcher.release(self.request_id)
+
+
+class LogFollower(Handle):
+    """The replies of a request being resumed, read from its reply log: the worker publishes to the
+    channel of the gateway that dispatched it, which may be gone, and appends every reply to the
+    log as it publishes it. The log only grows, so each read fetches only the lines not yet read."""
+
+    def __init__(self, dispatcher: Dispatcher, request_id: str, deadline: float):
+        super().__init__(dispatcher, request_id, asyncio.Queue(), deadline)
+        self._read = 0  # lines of the log read so far
+        self._truncated = False  # the worker stopped appending deltas (KVGATE_MAX_CHECKPOINT_BYTES)
+
+    async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
+        quiet = time.monotonic()
+        while not self.done:
+            if time.time() >= self.deadline:
+                raise RequestTimeout("request exceeded its total time limit")
+            fresh = await self._tail()
+            for reply in fresh:
+                yield self._accept(reply)
+            if fresh:
+                quiet = time.monotonic()
+            elif time.monotonic() - quiet >= keepalive_s:
+                quiet = time.monotonic()
+                yield KEEPALIVE
+            else:
+                await asyncio.sleep(FOLLOW_POLL_S)
+
+    async def _tail(self) -> list:
+        """The log's new replies after last_seq, in order; a gap (a truncated log) raises."""
+        try:
+            raws = await self.dispatcher.redis.lrange(names.checkpoint_key(self.request_id), self._read, -1)
+        except Exception as exc:  # Redis away: the deadline bounds the wait
+            log.warning("reply log unavailable for %s: %s", self.request_id, type(exc).__name__)
+            await asyncio.sleep(FOLLOW_POLL_S * 10)
+            return []
+        self._read += len(raws)
+        out, want = [], self.last_seq + 1
+        for raw in raws:
+            try:
+                reply = protocol.decode_reply(raw)
+            except ValueError:  # a line of a schema this gateway does not read: a gap below
+                continue
+            if reply.seq == 0:
+                self._truncated = True
+            elif reply.seq == want:
+                out.append(reply)
+                want += 1
+            elif reply.seq > want:
+                raise ResumeFailed(f"the reply log of {self.request_id} lacks sequence {want}"
+                                   f"{' (it reached KVGATE_MAX_CHECKPOINT_BYTES)' if self._truncated else ''}"
+                                   "; send the request again", retry_after=1)
+        return out
 
 
 class Lookahead:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -12,24 +13,27 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway import estimate, structured, tool_calls
+from gateway import estimate, resume, structured, tool_calls
 from gateway.admission import Admitted, Lease, admit, set_ratelimit_headers
 from gateway.deps import StateDep
-from gateway.dispatch import KEEPALIVE, Handle, Lookahead
+from gateway.dispatch import KEEPALIVE, Handle, LogFollower, Lookahead
+from gateway.holdings import Holdings
 from gateway.routing import VERSION_HEADER, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
+from gateway.stream_leases import ABANDONED, Attach, StreamLease
 from gateway.unsupported import check_supported
 from gateway.validation import (check_context, check_model_allowed, check_output_limits,
                                 check_peer_features, check_token_ids)
 from shared import logs, names, protocol, telemetry, tool_parsers
 from shared.batches import BATCH_PRIORITY
-from shared.errors import KvgateError, NotFound
+from shared.errors import InvalidRequest, KvgateError, NotFound
 
+log = logging.getLogger("kvgate.gateway")
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
@@ -100,11 +104,26 @@ async def completions(body: CompletionRequest, request: Request, lease: Admitted
     return await _serve(request, state, lease, Call.completion(body))
 
 
+@router.get("/streams/{request_id}", response_class=StreamingResponse)
+async def resume_stream(request_id: str, lease: Admitted, state: StateDep,
+                        last_event_id: str | None = Header(
+                            None, alias="Last-Event-ID", description="The last event id received "
+                            "(<request id>:<sequence>); without it the stream starts over")):
+    """The rest of a stream of this key's (the events after `Last-Event-ID`), whether the request
+    still runs or has finished, within its reply log's lifetime; 404 for any other."""
+    point = resume.point(last_event_id)
+    if point is not None and point[0] != request_id:
+        raise InvalidRequest(f"Last-Event-ID names request '{point[0]}', not '{request_id}'",
+                             param="Last-Event-ID", code="invalid_last_event_id")
+    return await _resume(state, lease, request_id, point[1] if point else -1)
+
+
 async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call):
+    if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)
+        return await _resume(state, lease, *resume.point(request.headers[resume.HEADER]))
     answer = await open_answer(request, state, lease, call)
     if call.body.stream:
-        return await _stream(request, lease, answer, state.settings.admission_wait_s,
-                             call.include_usage())
+        return await _stream(request, state, lease, answer, call)
     return await _whole(request, lease, answer)
 
 
@@ -152,11 +171,13 @@ async def _whole(request: Request, lease: Lease, answer: Answer) -> Response:
     return JSONResponse(result, headers=answer.headers)
 
 
-async def _stream(request: Request, lease: Lease, answer: Answer, wait_s: float,
-                  include_usage: bool) -> Response:
+async def _stream(request: Request, state: GatewayState, lease: Lease, answer: Answer,
+                  call: Call) -> Response:
     """The 200 goes out once the worker admitted the request (its first reply) or after
-    KVGATE_ADMISSION_WAIT_S (`wait_s`), whichever is first: a refusal before then is an HTTP error
-    with its status, even for `stream: true`; one after it is an SSE error event."""
+    KVGATE_ADMISSION_WAIT_S, whichever is first: a refusal before then is an HTTP error with its
+    status, even for `stream: true`; one after it is an SSE error event. Before the 200, the
+    stream's holdings go to Redis, so that it can be resumed, and settled, at any gateway."""
+    wait_s = state.settings.admission_wait_s
     ahead, gone, here = Lookahead(answer.replies), asyncio.ensure_future(_disconnect(request)), False
     try:
         here = await ahead.wait_first(wait_s, gone)
@@ -169,12 +190,63 @@ async def _stream(request: Request, lease: Lease, answer: Answer, wait_s: float,
             answer.handle.close("not_started")
     if not here:
         return Response(status_code=499)
-    gen = _sse(answer, ahead, lease, include_usage)
+    await _hold(state, lease, answer, call)
+    gen = _sse(answer, ahead, lease, call.include_usage())
     # the close also runs if the client left before the generator ever started (its `finally`
     # would not): the request is cancelled and its reply queue released either way
     return StreamingResponse(gen, media_type="text/event-stream",
                              headers={**SSE_HEADERS, **answer.headers},
                              background=BackgroundTask(answer.handle.close, "client_disconnected"))
+
+
+async def _hold(state: GatewayState, lease: Lease, answer: Answer, call: Call) -> None:
+    """Writes the stream's lease (gateway/stream_leases.py); if Redis will not take it, the stream
+    goes on unresumable and is settled here, as before."""
+    body, handle = call.body, answer.handle
+    chat = call.kind == "chat"
+    parser = ((await state.registry.facts(body.model, lease.version)).tool_call_parser
+              if chat and body.tools else None)
+    spec = resume.shape_spec(call.kind, body.model, body.n, answer.shape.created, call.include_usage(),
+                             body.tools if chat else None, body.choice() if chat else None,
+                             body.parallel_tool_calls if chat else True, parser)
+    stream = StreamLease(lease.key.id, answer.shape.id)
+    try:
+        await state.streams.open(stream, lease.holdings(), handle.deadline, spec, handle.request_id)
+    except Exception as exc:
+        log.warning("stream %s is not resumable (%s)", stream.request_id, type(exc).__name__)
+        return
+    lease.streamed(stream)
+    handle.outlives_client = state.settings.resume_grace_s > 0
+    handle.on_attempt = lambda attempt_id: state.streams.follow(stream, attempt_id)
+
+
+async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int) -> Response:
+    """The events of this key's stream `request_id` after sequence `after`, rebuilt from its reply
+    log; this gateway takes over its settlement unless it is over and settled already."""
+    stream = StreamLease(lease.key.id, request_id)
+    record = await state.streams.find(stream)
+    follower = LogFollower(state.dispatcher, record.get("follow", request_id) if record else request_id,
+                           float(record["deadline"]) if record else 0)
+    got = Attach.GONE if record is None or record.get("settled") == ABANDONED else \
+        await state.streams.attach(stream)
+    if got == Attach.SETTLED and not await state.redis.exists(names.checkpoint_key(request_id)):
+        got = Attach.GONE
+    if got == Attach.GONE:
+        raise NotFound(f"No stream '{request_id[:100]}' of this key to resume: unknown, another "
+                       "key's, cancelled after its client stayed away longer than "
+                       "KVGATE_RESUME_GRACE_S, or older than its reply log",
+                       param="Last-Event-ID", code="stream_not_found")
+    if got == Attach.HELD:
+        lease.adopt(stream, Holdings.from_fields(record), follower)
+    follower.outlives_client = got == Attach.SETTLED or state.settings.resume_grace_s > 0
+    spec = orjson.loads(record["shape"])
+    shape = _Shape(spec["kind"], request_id, spec["model"], spec["n"], resume.outputs_of(spec))
+    shape.created = spec["created"]
+    headers = {VERSION_HEADER: record["version"], "x-request-id": request_id}
+    answer = Answer(follower, follower.replies(state.settings.keepalive_s), shape, headers)
+    return StreamingResponse(_sse(answer, answer.replies, lease, spec["include_usage"], after),
+                             media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
+                             background=BackgroundTask(follower.close, "client_disconnected"))
 
 
 async def _disconnect(request: Request) -> None:
@@ -350,33 +422,38 @@ async def _unless_gone(request: Request, work) -> dict | None:
         task.cancel()
 
 
-def _event(obj: Any) -> bytes:
-    return b"data: " + orjson.dumps(obj) + b"\n\n"
+def _event(obj: Any, event_id: bytes = b"") -> bytes:
+    return event_id + b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-async def _sse(answer: Answer, replies: Lookahead, lease: Lease,
-               include_usage: bool) -> AsyncIterator[bytes]:
-    """Writes each delta the moment it arrives; a disconnect cancels the request (in `finally`)."""
-    shape = answer.shape
+async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usage: bool,
+               after: int = -1) -> AsyncIterator[bytes]:
+    """Writes each delta the moment it arrives, as an event whose id is its reply's sequence
+    number; a resumed stream (`after` >= 0) reads its replies from the start but sends only the
+    events after `after`. A disconnect cancels the request (in `finally`), unless it may be resumed
+    within KVGATE_RESUME_GRACE_S."""
+    shape, rid = answer.shape, answer.shape.id  # the id the client knows, whichever attempt serves it
     try:
-        if shape.kind == "chat":
-            yield _event(shape.chunk(shape.role_choices()))
+        if shape.kind == "chat" and after < 0:
+            yield _event(shape.chunk(shape.role_choices()), resume.event_id(rid, 0))
         try:
             async for reply in replies:
                 if reply is KEEPALIVE:
                     yield b": keep-alive\n\n"
-                elif isinstance(reply, protocol.Delta):
+                    continue
+                new = reply.seq > after
+                if isinstance(reply, protocol.Delta):
                     if not (reply.text or reply.reasoning or reply.finish_reason or reply.logprobs):
                         continue  # the admission verdict, or text the detokenizer holds back
-                    if (choice := shape.delta_choice(reply)) is not None:
-                        yield _event(shape.chunk([choice]))
+                    if (choice := shape.delta_choice(reply)) is not None and new:
+                        yield _event(shape.chunk([choice]), resume.event_id(rid, reply.seq))
                 elif isinstance(reply, protocol.Done):
                     lease.finished(_usage(reply))
-                    if include_usage:
-                        yield _event(shape.chunk([], usage=lease.usage))
+                    if include_usage and new:
+                        yield _event(shape.chunk([], usage=lease.usage), resume.event_id(rid, reply.seq))
         except KvgateError as exc:
             lease.failed(exc.status)
-            yield _event(exc.to_openai())
+            yield _event(exc.to_openai(), resume.event_id(rid, answer.handle.last_seq))
         yield b"data: [DONE]\n\n"
     finally:
         replies.cancel()

@@ -15,7 +15,9 @@ from gateway.keystore import KeyStore
 from gateway.limits import Limits
 from gateway.registry import Registry
 from gateway.rescue import Rescuer
+from gateway.retry import Retarget
 from gateway.routing import Router
+from gateway.stream_leases import StreamLeases
 from gateway.throttle import Throttle
 from shared.batches import BatchStore
 from shared.files import FileStore
@@ -39,6 +41,7 @@ class GatewayState:
     batches: BatchStore
     batch_queue: BatchQueue
     dispatcher: Dispatcher
+    streams: StreamLeases  # streams that outlive their client or their gateway, settled once
 
     @classmethod
     def connect(cls, settings: GatewaySettings, throttle: Throttle) -> GatewayState:
@@ -46,23 +49,29 @@ class GatewayState:
         client = _redis(settings)
         registry = Registry(client)
         router = Router(client, registry, settings.worker_stale_s)
+        limits, usage = Limits(client, settings), UsageBook(client, settings.usage_retention_days)
+        dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
+                                settings.interactive_mark_ms, settings.max_entry_bytes,
+                                settings.retries_before_first_token, Retarget(router, registry))
         return cls(
             settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
             rescuer=Rescuer(client, router, settings.max_stream_depth),
             keystore=KeyStore(client, settings.secret.get_secret_value()),
-            limits=Limits(client, settings),
-            usage=UsageBook(client, settings.usage_retention_days),
+            limits=limits, usage=usage,
             files=FileStore(client, settings.data_dir, settings.file_retention_s),
             batches=BatchStore(client, settings.file_retention_s),
             batch_queue=BatchQueue(broker_url(settings), broker_options(settings)),
-            dispatcher=Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
-                                  settings.interactive_mark_ms, settings.max_entry_bytes))
+            dispatcher=dispatcher,
+            streams=StreamLeases(client, settings.gateway_id, settings.resume_grace_s, limits, usage,
+                                 dispatcher.cancel_soon))
 
     async def start(self) -> None:
         await self.dispatcher.start()  # subscribed before any request can be dispatched
         await self.rescuer.start()
+        await self.streams.start()
 
     async def stop(self) -> None:
+        await self.streams.stop()
         await self.rescuer.stop()
         await self.dispatcher.stop()
         await self.redis.aclose()

@@ -155,6 +155,18 @@ def checkpoint_key(request_id: str) -> str:
     return f"{PREFIX}:ckpt:{request_id}"
 
 
+# -- streams that survive their gateway (gateway/stream_leases.py) ----------------------------
+def stream_lease(key_id: str, request_id: str) -> str:
+    """Hash of what one streamed request holds (slot, token reservation, usage to record) and who
+    serves its client until when; settled once, by whichever gateway claims it first (TTL). Named
+    under its key, so a resume by another key finds nothing (404)."""
+    return f"{PREFIX}:stream:{key_tag(key_id)}:{request_id}"
+
+
+OPEN_STREAMS = f"{PREFIX}:streams:open"  # sorted set `<key id>/<request id>` -> held until: what
+# the gateways' sweepers settle once nobody holds it (its gateway died, its client never came back)
+
+
 # -- files and batch jobs (/v1/files, /v1/batches) -------------------------------------------
 def file_record(file_id: str) -> str:
     """JSON of one uploaded or generated file (its bytes live under the data directory)."""

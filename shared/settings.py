@@ -66,6 +66,14 @@ class GatewaySettings(FilesSettings):
                                  "KVGATE_MAX_STREAM_DEPTH of them per model version")
     request_timeout_s: float = Field(600.0, description="Total time a request may take")
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
+    retries_before_first_token: int = Field(1, ge=0, le=5, description="Times a request that "
+                                            "failed on a worker before its first token (engine "
+                                            "error, failed step, unresumable takeover) is sent "
+                                            "again: to the same version, or a canary's stable one")
+    resume_grace_s: float = Field(3.0, ge=0, le=300, description="A streamed request whose client "
+                                  "went away keeps running this long, so the client can resume it "
+                                  "(Last-Event-ID) at any gateway; then it is cancelled and its "
+                                  "usage settled (0: cancelled at once)")
     admission_wait_s: float = Field(5.0, ge=0, description="How long a streamed request waits for "
                                     "its worker's admission verdict before the 200 and keep-alives "
                                     "go out (an error known by then is an HTTP error, one after it "

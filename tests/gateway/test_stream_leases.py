@@ -1,0 +1,70 @@
+"""Stream leases (gateway/stream_leases.py) on a real Redis: a holder's renewals keep its lease from
+the sweepers, a lapsed one is settled once, and only its own key finds it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis.asyncio as aioredis
+
+from gateway.holdings import Holdings
+from gateway.limits import Limits, Reservation
+from gateway.stream_leases import ABANDONED, Attach, StreamLease, StreamLeases
+from shared import names
+from shared.settings import GatewaySettings
+from shared.usage import UsageBook, utc_day
+
+
+@pytest.fixture
+async def client(redis_server):
+    c = aioredis.Redis.from_url(redis_server.url)
+    await c.flushall()
+    yield c
+    await c.aclose()
+
+
+def _leases(client, gateway_id: str, cancelled: list) -> StreamLeases:
+    settings = GatewaySettings(secret="s")
+    return StreamLeases(client, gateway_id, 0.0, Limits(client, settings), UsageBook(client, 30),
+                        lambda rid, why: cancelled.append(rid))
+
+
+async def _open(leases: StreamLeases, client, key_id="k1", request_id="cmpl-1") -> StreamLease:
+    lease = StreamLease(key_id, request_id)
+    await client.zadd(names.inflight_key(key_id), {"slot-1": time.time() + 600})
+    held = Holdings(key_id, "slot-1", Reservation(key_id, int(time.time()), utc_day(), 100), "demo", "v1")
+    await leases.open(lease, held, time.time() + 60, {"kind": "completion"}, request_id)
+    return lease
+
+
+async def _until(client, lease) -> float:
+    return float(await client.hget(lease.name, "until"))
+
+
+async def test_renewal_keeps_a_held_lease_from_the_sweepers(client):
+    cancelled: list = []
+    a, b = _leases(client, "gw-a", cancelled), _leases(client, "gw-b", cancelled)
+    lease = await _open(a, client)
+    await client.hset(lease.name, "until", repr(time.time() - 10))  # as if the hold had run out
+    await a.renew()
+    assert await _until(client, lease) > time.time() + 1
+    assert await b.sweep() == 0 and not cancelled
+    assert await client.zcard(names.inflight_key("k1")) == 1
+
+
+async def test_a_lapsed_lease_is_settled_once_and_its_request_cancelled(client):
+    cancelled: list = []
+    a, b = _leases(client, "gw-a", cancelled), _leases(client, "gw-b", cancelled)
+    lease = await _open(a, client)
+    a.held.clear()  # its gateway died: nobody renews
+    await client.hset(lease.name, "until", repr(time.time() - 10))
+    await client.zadd(names.OPEN_STREAMS, {lease.member: time.time() - 10})
+    assert await b.sweep() + await a.sweep() == 1
+    assert cancelled == ["cmpl-1"]
+    assert await client.hget(lease.name, "settled") == ABANDONED.encode()
+    assert await client.zcard(names.inflight_key("k1")) == 0  # the slot is freed
+    usage = await client.hgetall(names.usage_key("k1", utc_day()))
+    assert usage == {b"demo|v1|requests": b"1", b"demo|v1|errors": b"1"}
+    assert await client.zcard(names.OPEN_STREAMS) == 0
+    assert await b.attach(lease) == Attach.SETTLED
+    assert await b.attach(StreamLease("k2", "cmpl-1")) == Attach.GONE  # another key finds nothing
