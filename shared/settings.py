@@ -183,6 +183,8 @@ class WorkerSettings(CommonSettings):
                                     "answered with an engine error")
     fault_latency_ms: float = Field(0.0, ge=0, description="Tests only: delay before admitting a "
                                     "request (so before its first token)")
+    fault_step_ms: float = Field(0.0, ge=0, le=10_000, description="Tests only: a pause after every "
+                                 "engine step (a slow device)")
     fault_crash_marker: str | None = Field(None, min_length=1, description="Tests only: a worker "
                                            "that admits a request whose prompt contains this string "
                                            "exits at once (os._exit), like a crash no code can catch")

@@ -43,7 +43,8 @@ class Admission:
         self.s, self.client, self.engine, self.tokenizer = s, client, engine, tokenizer
         self.markers = markers
         self.outbox, self.metrics, self.inflight = outbox, metrics, inflight
-        self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker)
+        self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker,
+                             s.fault_step_ms)
 
     def admit(self, p: PendingEntry) -> None:
         entry = self._decode(p)

@@ -1,6 +1,6 @@
 """Fault injection for tests of what watches the workers (canary analysis, failover, the poison
 cap): a share of requests answered with an engine error, a delay before a request is admitted (so
-before its first token), and a hard exit on a marked prompt. Off unless `kvgate worker
+before its first token), a pause after every engine step, and a hard exit on a marked prompt. Off unless `kvgate worker
 --fault-error-rate/--fault-latency-ms` or `KVGATE_FAULT_CRASH_MARKER` turn it on."""
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ log = logging.getLogger("kvgate.worker")
 
 
 class Faults:
-    def __init__(self, error_rate: float = 0.0, latency_ms: float = 0.0, crash_marker: str | None = None):
+    def __init__(self, error_rate: float = 0.0, latency_ms: float = 0.0, crash_marker: str | None = None,
+                 step_ms: float = 0.0):
         self.error_rate = error_rate
         self.latency_s = latency_ms / 1000
+        self.step_s = step_ms / 1000
         self.crash_marker = crash_marker
         self._rng = random.Random()
 
@@ -27,6 +29,12 @@ class Faults:
     def delay(self) -> None:
         if self.latency_s > 0:
             time.sleep(self.latency_s)
+
+    def pause_step(self) -> None:
+        """A slow device: every engine step takes this much longer, so a request outlives a test's
+        timers (a resume grace, a sweep) on any machine, however fast."""
+        if self.step_s > 0:
+            time.sleep(self.step_s)
 
     def crash_if_marked(self, prompt: str | None, messages: list | None) -> None:
         """Exit at once, skipping every `finally` and handler: a segfault in a kernel looks like this

@@ -111,6 +111,7 @@ class WorkerService:
             self._pull()
         if self.engine.has_unfinished():
             self.inflight.collect(self.engine.step())
+            self.admission.faults.pause_step()
         reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity())
         if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
             self.consumer.received(reads, replies)

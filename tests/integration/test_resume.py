@@ -133,7 +133,8 @@ def two_gateways(tmp_path, tiny_model_dir):
     url1 = c.url
     c.start_gateway(**env)
     url2 = c.url
-    c.start_worker("w1", "--max-num-seqs", "24")
+    # 20 ms a step: a stream outlives the grace and the sweeps on a fast, quiet machine too
+    c.start_worker("w1", "--max-num-seqs", "24", KVGATE_FAULT_STEP_MS="20")
     yield c, (g1, url1), url2
     c.close()
 
@@ -219,13 +220,13 @@ def test_a_client_that_leaves_can_come_back_within_the_grace_and_one_that_does_n
     key = _create_key(url2, "leaver", max_concurrent=5)
     other = _create_key(url2, "other")
     key_id = cluster.client.hget(names.KEY_NAMES, "leaver").decode()
-    body = _body(1, 150)
+    body, long = _body(1, 150), _body(1, 1000)  # the one that never comes back runs ~20 s
 
     async def scenario():
         async with httpx.AsyncClient(timeout=120) as client:
             back, gone = Seen(), Seen()
             await asyncio.gather(read_sse(client, "POST", url1 + "/v1/completions", key, back, body, stop_after=3),
-                                 read_sse(client, "POST", url1 + "/v1/completions", key, gone, body, stop_after=3))
+                                 read_sse(client, "POST", url1 + "/v1/completions", key, gone, long, stop_after=3))
             await asyncio.sleep(1.0)  # disconnected, within the 3 s grace: still running
             rid = back.last_id.rpartition(":")[0]
             stranger, bad = Seen(), Seen()
