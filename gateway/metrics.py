@@ -20,6 +20,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from gateway.breaker import STATE_VALUE
 from shared import names
 from shared.canary import RouteStore
 
@@ -148,7 +149,18 @@ async def _redis_families(state) -> list:
                               labels=["model", "version", "lane"])
     for (m, v, lane), n in zip(streams, depths):
         depth.add_metric([m, v, lane], n)
-    return [workers, depth, *await _canary_families(redis)]
+    return [workers, depth, await _breaker_family(state, streams), *await _canary_families(redis)]
+
+
+async def _breaker_family(state, streams: list) -> GaugeMetricFamily:
+    versions = sorted({(m, v) for m, v, _ in streams})
+    states = await state.router.breaker.states(versions)
+    gauge = GaugeMetricFamily("kvgate_gateway_breaker_state", "Circuit breaker of a model version "
+                              "(0 closed, 1 open, 2 half-open: one probe request is trying it)",
+                              labels=["model", "version"])
+    for (m, v), name in sorted(states.items()):
+        gauge.add_metric([m, v], STATE_VALUE[name])
+    return gauge
 
 
 async def _canary_families(redis) -> list:

@@ -10,6 +10,7 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
 from gateway.batch_queue import BatchQueue
+from gateway.breaker import Breaker
 from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
@@ -48,11 +49,14 @@ class GatewayState:
         """Everything on one Redis client; nothing runs until `start`."""
         client = _redis(settings)
         registry = Registry(client)
-        router = Router(client, registry, settings.worker_stale_s)
+        breaker = Breaker(client, settings.breaker_failures, settings.breaker_window_s,
+                          settings.breaker_open_s)
+        router = Router(client, registry, settings.worker_stale_s, breaker)
         limits, usage = Limits(client, settings), UsageBook(client, settings.usage_retention_days)
         dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
                                 settings.interactive_mark_ms, settings.max_entry_bytes,
-                                settings.retries_before_first_token, Retarget(router, registry))
+                                settings.retries_before_first_token, Retarget(router, registry),
+                                breaker)
         return cls(
             settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
             rescuer=Rescuer(client, router, settings.max_stream_depth),
