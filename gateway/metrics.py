@@ -46,6 +46,9 @@ RATE_LIMITED = Counter("kvgate_gateway_rate_limited", "Requests refused with 429
                        "they hit", ["limit"])
 STREAMS = Gauge("kvgate_gateway_streams_in_flight", "SSE streams open to clients", ["model", "version"],
                 multiprocess_mode="livesum")
+LOOP_LAG = Gauge("kvgate_gateway_event_loop_lag_seconds", "How late this process's event loop ran "
+                 "a timer, worst of the last 5 s (gateway/loop_lag.py): every request on it waits "
+                 "as long", multiprocess_mode="livemax")
 for _limit in LIMITS:  # every limit has a series from the start
     RATE_LIMITED.labels(_limit)
 

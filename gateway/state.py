@@ -14,6 +14,7 @@ from gateway.breaker import Breaker
 from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
+from gateway.loop_lag import LoopLag
 from gateway.registry import Registry
 from gateway.rescue import Rescuer
 from gateway.retry import Retarget
@@ -43,6 +44,7 @@ class GatewayState:
     batch_queue: BatchQueue
     dispatcher: Dispatcher
     streams: StreamLeases  # streams that outlive their client or their gateway, settled once
+    loop_lag: LoopLag
 
     @classmethod
     def connect(cls, settings: GatewaySettings, throttle: Throttle) -> GatewayState:
@@ -67,14 +69,17 @@ class GatewayState:
             batch_queue=BatchQueue(broker_url(settings), broker_options(settings)),
             dispatcher=dispatcher,
             streams=StreamLeases(client, settings.gateway_id, settings.resume_grace_s, limits, usage,
-                                 dispatcher.cancel_soon))
+                                 dispatcher.cancel_soon),
+            loop_lag=LoopLag())
 
     async def start(self) -> None:
         await self.dispatcher.start()  # subscribed before any request can be dispatched
         await self.rescuer.start()
         await self.streams.start()
+        self.loop_lag.start()
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         await self.streams.stop()
         await self.rescuer.stop()
         await self.dispatcher.stop()
