@@ -92,6 +92,7 @@ async def canary_status(alias: Alias, routing: RouterDep) -> CanaryStatus:
                                     since=route.started)
     total = sum(s.requests for s in stats.values())
     workers = Counter(w["version"] for w in await routing.live_workers(alias))
+    breakers = await routing.breaker.states([(alias, v) for v in stats])
     versions = {}
     for version, s in stats.items():
         role = "canary" if version == route.canary else "stable"
@@ -99,7 +100,7 @@ async def canary_status(alias: Alias, routing: RouterDep) -> CanaryStatus:
         versions[version] = VersionObserved(
             **s.summary().model_dump(), role=role, configured_share=share,
             observed_share=round(100 * s.requests / total, 2) if total else None,
-            live_workers=workers[version])
+            live_workers=workers[version], breaker=breakers[(alias, version)])
     return CanaryStatus(route=route, versions=versions, counters=await store.counters(alias),
                         events=await store.events(alias))
 

@@ -58,6 +58,8 @@ class VersionObserved(VersionStats):
     observed_share: float | None = Field(None, description="Percent of the window's requests "
                                          "served here")
     live_workers: int
+    breaker: str = Field("closed", description="Its circuit breaker: closed, open (refused, or "
+                         "a canary's requests sent to stable) or half_open (one probe trying it)")
 
 
 class CanaryStatus(BaseModel):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway import retry
+from gateway.breaker import Breaker, counts_against
 from gateway.errors import redis_unavailable
 from shared import names, protocol
 from shared.redis_client import is_cluster
@@ -38,8 +39,10 @@ return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
 class Dispatcher:
     def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000,
                  interactive_mark_ms: int = 1000, max_entry_bytes: int = 1 << 20,
-                 max_retries: int = 0, retarget: retry.Retarget | None = None):
+                 max_retries: int = 0, retarget: retry.Retarget | None = None,
+                 breaker: Breaker | None = None):
         self.redis = redis
+        self.breaker = breaker  # told each attempt's failure, and a probe's first token
         self.max_retries = max_retries  # sends again of a request that failed before its first token
         self.retarget = retarget  # where such a retry goes (None: the same version, same schema)
         self.max_stream_depth = max_stream_depth
@@ -107,13 +110,16 @@ class Dispatcher:
 
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
-                     schema: int | None = None) -> "Handle":
+                     schema: int | None = None, probe: str | None = None) -> "Handle":
         """Enqueue, in the schema the stream's workers speak (`schema`, the oldest among them; None:
         workers from before they said, which spoke 1); an interactive entry also marks its model
-        busy for the batch runners."""
+        busy for the batch runners. `probe`: the breaker's token if this request is its version's
+        probe (its first token closes the breaker)."""
         queue = await self.enqueue(stream, entry, interactive, schema)
-        return Handle(self, entry.request_id, queue, entry.deadline,
-                      attempt=Attempt(stream, entry, interactive, schema))
+        handle = Handle(self, entry.request_id, queue, entry.deadline,
+                        attempt=Attempt(stream, entry, interactive, schema))
+        handle.probe = probe
+        return handle
 
     async def enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
                       schema: int | None) -> asyncio.Queue:
@@ -201,6 +207,7 @@ class Handle:
         self.tokens = 0  # tokens the worker produced that this handle saw
         self.refused = False  # the worker answered with an error before producing any token
         self.outlives_client = False  # a client that leaves does not cancel it (a resume may come)
+        self.probe: str | None = None  # the breaker's token while this attempt probes its version
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise,
@@ -208,11 +215,29 @@ class Handle:
         while True:
             try:
                 async for reply in self._replies(keepalive_s):
+                    if self.probe is not None and (self.tokens or self.done):
+                        await self._verdict(None)
                     yield reply
                 return
             except KvgateError as exc:
+                await self._verdict(exc)
                 if not await self._again(exc):
                     raise
+
+    async def _verdict(self, exc: KvgateError | None) -> None:
+        """Tells the breaker of the attempt's version a failure (even one a retry absorbs), or that
+        its probe got a token; Redis trouble here never changes the request's own course."""
+        breaker, attempt, probe = self.dispatcher.breaker, self.attempt, self.probe
+        if breaker is None or attempt is None or (exc is not None and not counts_against(exc)):
+            return
+        self.probe = None
+        try:
+            if exc is not None:
+                await breaker.failed(attempt.entry.model, attempt.entry.version, probe)
+            elif probe is not None:
+                await breaker.succeeded(attempt.entry.model, attempt.entry.version, probe)
+        except Exception as failure:
+            log.warning("circuit breaker of %s not told: %s", attempt.entry.version, type(failure).__name__)
 
     async def _again(self, exc: KvgateError) -> bool:
         """Sends the request again if it may be: no token yet, a retry left, an error the request
@@ -221,8 +246,11 @@ class Handle:
                 or not retry.retryable(exc)):
             return False
         old, first = self.attempt, self.attempt.entry
-        version, schema = (await self.dispatcher.retarget(first.model, first.version)
-                           if self.dispatcher.retarget else (first.version, old.schema))
+        target = (await self.dispatcher.retarget(first.model, first.version)
+                  if self.dispatcher.retarget else (first.version, old.schema))
+        if target is None:  # its breaker is open: the error goes to the client
+            return False
+        version, schema = target
         entry = first.model_copy(update={"request_id": f"{self.client_id}-r{self.retries + 1}",
                                          "version": version})
         stream = names.request_stream(entry.model, version, old.lane)

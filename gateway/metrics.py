@@ -20,6 +20,7 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from gateway.breaker import STATE_VALUE
 from shared import names
 from shared.canary import RouteStore
 
@@ -45,6 +46,9 @@ RATE_LIMITED = Counter("kvgate_gateway_rate_limited", "Requests refused with 429
                        "they hit", ["limit"])
 STREAMS = Gauge("kvgate_gateway_streams_in_flight", "SSE streams open to clients", ["model", "version"],
                 multiprocess_mode="livesum")
+LOOP_LAG = Gauge("kvgate_gateway_event_loop_lag_seconds", "How late this process's event loop ran "
+                 "a timer, worst of the last 5 s (gateway/loop_lag.py): every request on it waits "
+                 "as long", multiprocess_mode="livemax")
 for _limit in LIMITS:  # every limit has a series from the start
     RATE_LIMITED.labels(_limit)
 
@@ -148,7 +152,18 @@ async def _redis_families(state) -> list:
                               labels=["model", "version", "lane"])
     for (m, v, lane), n in zip(streams, depths):
         depth.add_metric([m, v, lane], n)
-    return [workers, depth, *await _canary_families(redis)]
+    return [workers, depth, await _breaker_family(state, streams), *await _canary_families(redis)]
+
+
+async def _breaker_family(state, streams: list) -> GaugeMetricFamily:
+    versions = sorted({(m, v) for m, v, _ in streams})
+    states = await state.router.breaker.states(versions)
+    gauge = GaugeMetricFamily("kvgate_gateway_breaker_state", "Circuit breaker of a model version "
+                              "(0 closed, 1 open, 2 half-open: one probe request is trying it)",
+                              labels=["model", "version"])
+    for (m, v), name in sorted(states.items()):
+        gauge.add_metric([m, v], STATE_VALUE[name])
+    return gauge
 
 
 async def _canary_families(redis) -> list:

@@ -150,7 +150,7 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
                                            interactive=lease.lane == names.DEFAULT_LANE,
-                                           schema=facts.schema)
+                                           schema=facts.schema, probe=outcome.probe)
     lease.dispatched(body.model, handle, outcome)
     return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
                   _Shape(call.kind, entry.request_id, body.model, body.n, outputs),

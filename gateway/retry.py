@@ -32,14 +32,17 @@ def counted(model: str, version: str, exc: KvgateError) -> None:
 
 class Retarget:
     """Where a retry goes: the route's stable version for a canary on trial whose stable version
-    has a live worker, else the same version; with the schema its workers speak."""
+    has a live worker, else the same version; with the schema its workers speak. None: nowhere,
+    the target's circuit breaker is not closed (a retry is never its probe)."""
 
     def __init__(self, router: Router, registry: Registry):
         self.router, self.registry = router, registry
 
-    async def __call__(self, model: str, version: str) -> tuple[str, int | None]:
+    async def __call__(self, model: str, version: str) -> tuple[str, int | None] | None:
         route = await self.router.route_of(model)
         if (route is not None and route.on_trial and version == route.canary
                 and route.stable in await self.router.live_versions(model)):
             version = route.stable
+        if not await self.router.breaker.closed(model, version):
+            return None
         return version, (await self.registry.facts(model, version)).schema

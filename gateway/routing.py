@@ -1,6 +1,8 @@
 """Which version of a served name serves a request: the `x-kvgate-version` header (admin keys and
 keys marked for it), else the alias's canary route (the key's cohort, else its sticky bucket), else
-the newest live version; then failover to a route version that has a live worker.
+the newest live version; then failover to a route version that has a live worker; then the
+version's circuit breaker (gateway/breaker.py): an open one sends a canary's requests to stable,
+anyone else's get a fast 503.
 
 Routes are cached for half a second per process, so a change reaches every gateway within a second.
 A worker counts as live here while its last heartbeat is younger than `worker_stale_s`, so a
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 from fastapi import Header
 
+from gateway.breaker import Breaker
 from gateway.keys import KeyRecord
 from gateway.registry import Registry
 from shared import canary_stats, names, protocol
@@ -48,6 +51,7 @@ class Outcome:
     last: float | None = None
     tokens: dict[int, int] = field(default_factory=dict)
     ok: bool | None = None
+    probe: str | None = None  # the breaker's probe token when this request half-opens its version
 
     def saw(self, reply) -> None:
         if isinstance(reply, protocol.Delta) and (reply.token_ids or reply.text):  # not the verdict
@@ -81,10 +85,12 @@ async def observed(replies: AsyncIterator, outcome: Outcome) -> AsyncIterator:
 
 
 class Router:
-    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float):
+    def __init__(self, redis: aioredis.Redis, registry: Registry, stale_s: float,
+                 breaker: Breaker | None = None):
         self.redis = redis
         self.registry = registry
         self.stale_s = stale_s
+        self.breaker = breaker or Breaker(redis, 0, 1, 1)  # failures 0: never opens
         self.store = RouteStore(redis)
         self._routes: dict[str, tuple[float, Route]] = {}  # aliases with a route (admin-made: few)
         self._routeless: OrderedDict[str, float] = OrderedDict()  # names without: bounded LRU
@@ -128,7 +134,21 @@ class Router:
             version = await self.registry.route(alias)
         else:
             version = await self._failover(route, assign(route, key.id, key.canary_cohort))
-        return Outcome(alias, version, route.thresholds.window_s if route else None)
+        version, probe = await self._through_breaker(alias, version, route if forced is None else None)
+        return Outcome(alias, version, route.thresholds.window_s if route else None, probe=probe)
+
+    async def _through_breaker(self, alias: str, version: str, route: Route | None) -> tuple[str, str | None]:
+        """The version (and probe token) once its breaker has had its say: an open one's canary
+        traffic goes to a live stable version whose breaker lets it through; else a 503 naming it."""
+        verdict = await self.breaker.admit(alias, version)
+        if verdict.allowed:
+            return version, verdict.probe
+        if (route is not None and route.on_trial and version == route.canary
+                and route.stable in await self.live_versions(alias)):
+            if (stable := await self.breaker.admit(alias, route.stable)).allowed:
+                await self.store.count(alias, "breaker_failovers")
+                return route.stable, stable.probe
+        raise self.breaker.refusal(alias, version, verdict)
 
     async def _forced(self, alias: str, key: KeyRecord, version: str) -> str:
         if key.role != "admin" and not key.version_override:

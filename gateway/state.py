@@ -10,9 +10,11 @@ from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError, TimeoutError
 
 from gateway.batch_queue import BatchQueue
+from gateway.breaker import Breaker
 from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
+from gateway.loop_lag import LoopLag
 from gateway.registry import Registry
 from gateway.rescue import Rescuer
 from gateway.retry import Retarget
@@ -42,17 +44,21 @@ class GatewayState:
     batch_queue: BatchQueue
     dispatcher: Dispatcher
     streams: StreamLeases  # streams that outlive their client or their gateway, settled once
+    loop_lag: LoopLag
 
     @classmethod
     def connect(cls, settings: GatewaySettings, throttle: Throttle) -> GatewayState:
         """Everything on one Redis client; nothing runs until `start`."""
         client = _redis(settings)
         registry = Registry(client)
-        router = Router(client, registry, settings.worker_stale_s)
+        breaker = Breaker(client, settings.breaker_failures, settings.breaker_window_s,
+                          settings.breaker_open_s)
+        router = Router(client, registry, settings.worker_stale_s, breaker)
         limits, usage = Limits(client, settings), UsageBook(client, settings.usage_retention_days)
         dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
                                 settings.interactive_mark_ms, settings.max_entry_bytes,
-                                settings.retries_before_first_token, Retarget(router, registry))
+                                settings.retries_before_first_token, Retarget(router, registry),
+                                breaker)
         return cls(
             settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
             rescuer=Rescuer(client, router, settings.max_stream_depth),
@@ -63,14 +69,17 @@ class GatewayState:
             batch_queue=BatchQueue(broker_url(settings), broker_options(settings)),
             dispatcher=dispatcher,
             streams=StreamLeases(client, settings.gateway_id, settings.resume_grace_s, limits, usage,
-                                 dispatcher.cancel_soon))
+                                 dispatcher.cancel_soon),
+            loop_lag=LoopLag())
 
     async def start(self) -> None:
         await self.dispatcher.start()  # subscribed before any request can be dispatched
         await self.rescuer.start()
         await self.streams.start()
+        self.loop_lag.start()
 
     async def stop(self) -> None:
+        self.loop_lag.stop()
         await self.streams.stop()
         await self.rescuer.stop()
         await self.dispatcher.stop()

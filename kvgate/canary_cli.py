@@ -94,13 +94,14 @@ def status(client: GatewayClient, as_json: bool, alias: str) -> None:
         click.echo(f"rolled back because: {route['reason']}")
     t = route["thresholds"]
     table = Table("version", "role", "configured", "observed", "requests", "success", "TTFT p95",
-                  "TPOT p95", "workers", title=f"last {t['window_s']}s (fails below "
+                  "TPOT p95", "workers", "breaker", title=f"last {t['window_s']}s (fails below "
                   f"{t['min_success_rate']:.1%} success or above {t['max_ttft_ratio']:g}x stable's "
                   f"TTFT p95, from {t['min_samples']} samples)")
     for version, v in out["versions"].items():
         table.add_row(version, v["role"], f"{v['configured_share']:g}%", _pct(v["observed_share"]),
                       str(v["requests"]), _rate(v["success_rate"]), _ms(v["ttft_p95_ms"]),
-                      _ms(v["tpot_p95_ms"]), str(v["live_workers"]))
+                      _ms(v["tpot_p95_ms"]), str(v["live_workers"]),
+                      v.get("breaker", "closed").replace("_", "-"))
     console.print(table)
     if out["counters"]:
         click.echo("counters: " + ", ".join(f"{k} {v}" for k, v in sorted(out["counters"].items())))

@@ -147,6 +147,17 @@ def canary_window(alias: str, version: str, bucket: int) -> str:
     return f"{PREFIX}:canary:win:{model_tag(alias)}:{version}:{bucket}"
 
 
+def breaker_state(model: str, version: str) -> str:
+    """Hash of an unhealthy version's circuit breaker (state, until, probe); absent: closed (TTL).
+    `{m:}`: beside its failure window, so each step of the breaker is one script."""
+    return f"{PREFIX}:breaker:{model_tag(model)}:{version}"
+
+
+def breaker_failures(model: str, version: str) -> str:
+    """Sorted set of a version's recent failures (member -> ms), trimmed to the window (TTL)."""
+    return f"{PREFIX}:breaker:fails:{model_tag(model)}:{version}"
+
+
 CELERY_PREFIX = f"{PREFIX}:celery:"  # every key Celery (broker, beat) keeps in Redis starts so
 
 

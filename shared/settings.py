@@ -70,6 +70,16 @@ class GatewaySettings(FilesSettings):
                                             "failed on a worker before its first token (engine "
                                             "error, failed step, unresumable takeover) is sent "
                                             "again: to the same version, or a canary's stable one")
+    breaker_failures: int = Field(10, ge=0, le=100_000, description="Failures (5xx answers and "
+                                  "timeouts, also those a retry absorbed) of one model version "
+                                  "within KVGATE_BREAKER_WINDOW_S that open its circuit breaker, "
+                                  "shared by every gateway (0: no breaker)")
+    breaker_window_s: float = Field(30.0, gt=0, le=86400, description="The window failures are "
+                                    "counted over for the circuit breaker")
+    breaker_open_s: float = Field(30.0, gt=0, le=86400, description="How long an open breaker "
+                                  "refuses its version (503 + Retry-After, or a canary's requests "
+                                  "go to stable) before one probe request may try it; also how "
+                                  "long a probe may take to its first token")
     resume_grace_s: float = Field(3.0, ge=0, le=300, description="A streamed request whose client "
                                   "went away keeps running this long, so the client can resume it "
                                   "(Last-Event-ID) at any gateway; then it is cancelled and its "

@@ -62,6 +62,29 @@ class EngineCollector:
             yield c
 
 
+class GpuMemoryCollector:
+    """Memory of the GPU this worker runs on, device-wide (what an out-of-memory depends on), read
+    at scrape time; no series on a CPU worker or before CUDA is initialised (no context is made)."""
+
+    def __init__(self, labels: tuple[str, str]):
+        self.labels = list(labels)
+
+    def collect(self):
+        import torch
+
+        if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+            return
+        device = torch.cuda.current_device()
+        free, total = torch.cuda.mem_get_info(device)
+        for name, doc, value in (
+                ("kvgate_gpu_memory_used_bytes", "GPU memory in use on the worker's device, by "
+                 "every process on it", total - free),
+                ("kvgate_gpu_memory_total_bytes", "GPU memory of the worker's device", total)):
+            g = GaugeMetricFamily(name, doc, labels=[*LABELS, "device"])
+            g.add_metric([*self.labels, str(device)], float(value))
+            yield g
+
+
 # KVCacheFacts attribute -> gauge, help: fixed at start-up (what the start-up line says)
 KV_GAUGES = (
     ("num_blocks", "kvgate_kv_cache_blocks", "KV cache blocks allocated at start-up"),
@@ -156,6 +179,7 @@ class WorkerMetrics:
         self.worker_id = worker_id
         self.registry = registry or CollectorRegistry()
         self.registry.register(EngineCollector(stats, self.labels))
+        self.registry.register(GpuMemoryCollector(self.labels))
         r = self.registry
         self.ttft = Histogram("kvgate_time_to_first_token_seconds", "From admission to the engine "
                               "to the first token", LABELS, buckets=TTFT_BUCKETS, registry=r)
