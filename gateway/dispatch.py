@@ -200,6 +200,8 @@ class Handle:
         self.attempt = attempt
         self.retries = 0
         self.on_attempt: Callable[[str], Awaitable[None]] | None = None  # told each retry's id
+        # told (version, error) of each failure a retry absorbed: the canary analysis counts it
+        self.on_absorbed: Callable[[str, KvgateError], None] | None = None
         self.queue = queue
         self.deadline = deadline
         self.last_seq = 0
@@ -259,6 +261,8 @@ class Handle:
         except KvgateError:
             return False
         retry.counted(first.model, first.version, exc)
+        if self.on_absorbed is not None:
+            self.on_absorbed(first.version, exc)
         log.warning("request %s failed before its first token (%s); sent again as %s to %s",
                     self.request_id, exc.code, entry.request_id, version)
         self.dispatcher.release(self.request_id)

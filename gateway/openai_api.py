@@ -152,6 +152,7 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
                                            interactive=lease.lane == names.DEFAULT_LANE,
                                            schema=facts.schema, probe=outcome.probe)
     lease.dispatched(body.model, handle, outcome)
+    handle.on_absorbed = outcome.absorbed
     return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
                   _Shape(call.kind, entry.request_id, body.model, body.n, outputs),
                   {VERSION_HEADER: version, "x-request-id": entry.request_id})

@@ -58,12 +58,19 @@ class Outcome:
             self.last = time.monotonic()
             self.first = self.first or self.last
             self.tokens[reply.index] = self.tokens.get(reply.index, 0) + len(reply.token_ids)
-        elif isinstance(reply, protocol.Done):
+        elif isinstance(reply, protocol.Done) and self.ok is None:
             self.ok = True
 
     def failed(self, exc: KvgateError) -> None:
         if exc.status >= 500:
             self.ok = False
+
+    def absorbed(self, version: str, exc: KvgateError) -> None:
+        """A failure of this request's version that a retry cured for the client (gateway/retry.py)
+        is still the version's failure: the canary analysis must see it, or a failing canary whose
+        requests are all rescued by its stable version would never be rolled back."""
+        if version == self.version:
+            self.failed(exc)
 
     def ttft_ms(self) -> float | None:
         return None if self.first is None else (self.first - self.start) * 1000

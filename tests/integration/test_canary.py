@@ -159,7 +159,9 @@ def test_failing_canary_is_rolled_back_by_the_beat_and_status_says_why(env):
             assert resp.headers["x-kvgate-version"] == "v3"
         if len(statuses) > 10:
             time.sleep(0.1)
-    assert set(statuses) == {200, 500}
+    # a failed request is retried on the stable version before its first token (gateway/retry.py),
+    # so clients mostly see 200s; the canary's failures still count, and roll it back
+    assert 200 in statuses and set(statuses) <= {200, 500}, statuses
     _follows(env, cohort, "v1", time.monotonic())
     status = _cli(env, "canary", "status", ALIAS)
     assert "rolled back because: success rate" in status and "< 99.0%" in status, status
