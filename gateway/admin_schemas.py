@@ -7,6 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.keys import (MAX_LIMIT, MAX_METADATA, MAX_MODELS, PRIORITY_BOUND, CacheScope, Cohort,
                           KeyLimits, KeyRecord, Metadata, ModelName, Owner, Role)
+from shared.settings import MAX_TIMEOUT_S
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
 NAME_DOC = "Unique; up to 64 letters, digits and _ . @ -"
@@ -50,6 +51,9 @@ class KeyUpdate(BaseModel):
     max_stored_bytes: int | None = Field(None, ge=0, le=1 << 50)
     max_files: int | None = Field(None, ge=0, le=100_000)
     max_batches_in_progress: int | None = Field(None, ge=0, le=10_000)
+    # time limits; null: back to the route's or the gateway's default
+    ttft_timeout_s: float | None = Field(None, ge=0, le=MAX_TIMEOUT_S)
+    request_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S)
 
 
 class KeyRotate(BaseModel):

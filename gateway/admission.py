@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 
 from gateway.auth import CurrentKey
 from gateway.deps import StateDep
-from gateway import holdings
+from gateway import holdings, timeouts
 from gateway.dispatch import Handle
 from gateway.holdings import Holdings
 from gateway.keys import KeyRecord
@@ -21,6 +21,7 @@ from gateway.limits import Reservation
 from gateway.routing import Outcome
 from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, StreamLease
+from gateway.timeouts import Timeouts
 from shared import names
 from shared.telemetry import tracer
 
@@ -45,6 +46,7 @@ class Lease:
     error_status: int | None = None  # the status of an error a stream ended with
     resuming: bool = False  # resumes a stream (Last-Event-ID): the original's slot and tokens stand
     stream: StreamLease | None = None  # set once its holdings are in Redis: settled by claim, once
+    timeouts: Timeouts | None = None  # its time limits: the key's, its route's or the defaults
 
     def reserved(self, reservation: Reservation) -> None:
         """Tokens were charged to the key's minute and day (settled at the end)."""
@@ -117,11 +119,12 @@ RESUME_PREFIX = "/v1/streams/"
 async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIterator[Lease]:
     limits = state.limits
     lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request), resuming=resumes(request))
+    lease.timeouts = timeouts.of(state.settings, key, request.url.path, lease.lane)
     with tracer().start_as_current_span("limits"):
         set_ratelimit_headers(request, await limits.token_window(key))
         if not lease.resuming:
             set_ratelimit_headers(request, await limits.count_request(key))
-            lease.slot = await limits.acquire_slot(key, lease.slot_id)
+            lease.slot = await limits.acquire_slot(key, lease.slot_id, lease.timeouts.total_s)
     request.state.lease = lease  # for the metrics and the access line (gateway/observe.py)
     try:
         yield lease

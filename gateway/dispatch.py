@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ import redis.asyncio as aioredis
 from gateway import retry
 from gateway.breaker import Breaker, counts_against
 from gateway.errors import redis_unavailable
+from gateway.timeouts import Timeouts
 from shared import names, protocol
 from shared.redis_client import is_cluster
 from shared.errors import (EngineFailure, KvgateError, Overloaded, PayloadTooLarge, RequestTimeout,
@@ -110,15 +112,19 @@ class Dispatcher:
 
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
-                     schema: int | None = None, probe: str | None = None) -> "Handle":
+                     schema: int | None = None, probe: str | None = None,
+                     timeouts: Timeouts | None = None) -> "Handle":
         """Enqueue, in the schema the stream's workers speak (`schema`, the oldest among them; None:
         workers from before they said, which spoke 1); an interactive entry also marks its model
         busy for the batch runners. `probe`: the breaker's token if this request is its version's
-        probe (its first token closes the breaker)."""
+        probe (its first token closes the breaker). `timeouts`: its limits, counted from
+        `entry.created` (the total is the entry's deadline)."""
         queue = await self.enqueue(stream, entry, interactive, schema)
         handle = Handle(self, entry.request_id, queue, entry.deadline,
                         attempt=Attempt(stream, entry, interactive, schema))
         handle.probe = probe
+        if timeouts is not None:
+            handle.timeouts, handle.first_token_by = timeouts, timeouts.first_token_by(entry.created)
         return handle
 
     async def enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
@@ -210,6 +216,9 @@ class Handle:
         self.refused = False  # the worker answered with an error before producing any token
         self.outlives_client = False  # a client that leaves does not cancel it (a resume may come)
         self.probe: str | None = None  # the breaker's token while this attempt probes its version
+        self.timeouts: Timeouts | None = None  # what the limits are called in a timeout's message
+        self.first_token_by = math.inf  # time.time() by which a token must have come (or done)
+        self.gave_up = False  # a time limit passed: the request is cancelled as a timeout
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise,
@@ -275,9 +284,9 @@ class Handle:
 
     async def _replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         while not self.done:
-            remaining = self.deadline - time.time()
+            remaining = self._limit() - time.time()
             if remaining <= 0:
-                raise RequestTimeout("request exceeded its total time limit")
+                raise self._give_up()
             try:
                 reply = await asyncio.wait_for(self.queue.get(), timeout=min(keepalive_s, remaining))
             except asyncio.TimeoutError:  # silence: maybe replies were lost while we reconnected
@@ -300,6 +309,19 @@ class Handle:
                     raise EngineFailure(f"reply stream gap: expected seq {self.last_seq + 1}, "
                                         f"got {reply.seq}, and the checkpoint log lacks it")
             yield self._accept(reply)
+
+    def _limit(self) -> float:
+        """When waiting ends: the deadline, or sooner while no token has come."""
+        return self.deadline if self.tokens else min(self.deadline, self.first_token_by)
+
+    def _give_up(self) -> RequestTimeout:
+        """The 504 a passed limit ends the request with; `close` then cancels it on its worker,
+        resumable or not (nobody may resume it now)."""
+        self.gave_up, self.outlives_client = True, False
+        if self.timeouts is None:
+            return RequestTimeout("request exceeded its total time limit")
+        first = not self.tokens and self.first_token_by < self.deadline
+        return self.timeouts.no_first_token() if first else self.timeouts.total_passed()
 
     def _accept(self, reply):
         self.last_seq = reply.seq
@@ -336,7 +358,7 @@ class Handle:
 
     def close(self, reason: str = "client_disconnected") -> None:
         if not self.done and not self.outlives_client:
-            self.dispatcher.cancel_soon(self.request_id, reason)
+            self.dispatcher.cancel_soon(self.request_id, "timeout" if self.gave_up else reason)
         self.dispatcher.release(self.request_id)
 
 
@@ -354,7 +376,7 @@ class LogFollower(Handle):
         quiet = time.monotonic()
         while not self.done:
             if time.time() >= self.deadline:
-                raise RequestTimeout("request exceeded its total time limit")
+                raise self._give_up()
             fresh = await self._tail()
             for reply in fresh:
                 yield self._accept(reply)

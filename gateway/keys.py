@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field, SecretStr, model_validator
 
 from gateway.bounded import bounded
 from shared.errors import PermissionDenied
+from shared.settings import MAX_TIMEOUT_S
 
 SECRET_PREFIX = "sk-kvg-"
 Role = Literal["user", "admin"]
@@ -58,6 +59,12 @@ class KeyLimits(BaseModel):
     max_files: int | None = Field(None, ge=0, le=100_000, description="Files the key may keep")
     max_batches_in_progress: int | None = Field(None, ge=0, le=10_000, description="Batches of "
                                                 "the key not yet in a final status")
+    # time limits (gateway/timeouts.py); None: the route's, else the gateway's default
+    ttft_timeout_s: float | None = Field(None, ge=0, le=MAX_TIMEOUT_S, description="Seconds an "
+                                         "interactive request may wait for its first token "
+                                         "(0: no limit but the total)")
+    request_timeout_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="Seconds a "
+                                            "request may take in total")
 
 
 class KeyRecord(KeyLimits):

@@ -38,13 +38,14 @@ class Slot(IntEnum):
     TAKEN = 1
 
 
-# KEYS: the key's in-flight set. ARGV: now, cap, expiry, slot id, key TTL.
+# KEYS: the key's in-flight set. ARGV: now, cap, expiry, slot id, key TTL (only ever lengthened:
+# requests of one key may have different time limits).
 ACQUIRE_SLOT = """
 local now = tonumber(ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return %(full)d end
 redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
-redis.call('EXPIRE', KEYS[1], ARGV[5])
+if redis.call('TTL', KEYS[1]) < tonumber(ARGV[5]) then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
 return %(taken)d
 """ % {"full": Slot.FULL, "taken": Slot.TAKEN}
 
@@ -158,15 +159,16 @@ class Limits:
         return headers
 
     # -- requests in flight ----------------------------------------------------------------
-    async def acquire_slot(self, key: KeyRecord, request_id: str) -> bool:
-        """Take one of the key's in-flight slots, or raise 429. False when the key has no cap."""
+    async def acquire_slot(self, key: KeyRecord, request_id: str, total_s: float | None = None) -> bool:
+        """Take one of the key's in-flight slots, or raise 429. False when the key has no cap.
+        `total_s`: the request's time limit (default KVGATE_REQUEST_TIMEOUT_S)."""
         if key.max_concurrent is None:
             return False
-        now = time.time()
-        expires = now + self.settings.request_timeout_s + 60  # outlives any live request
+        now, total_s = time.time(), total_s or self.settings.request_timeout_s
+        expires = now + total_s + 60  # outlives the request
         slot = await self._acquire_slot(keys=[names.inflight_key(key.id)],
                                       args=[now, key.max_concurrent, expires, request_id,
-                                            int(self.settings.request_timeout_s) + 120])
+                                            int(total_s) + 120])
         if slot == Slot.FULL:
             rate_limited("concurrency")
             raise RateLimited(f"Too many concurrent requests for key '{key.name}': "

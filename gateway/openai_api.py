@@ -150,7 +150,8 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     logs.rename_request(entry.request_id)
     handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
                                            interactive=lease.lane == names.DEFAULT_LANE,
-                                           schema=facts.schema, probe=outcome.probe)
+                                           schema=facts.schema, probe=outcome.probe,
+                                           timeouts=lease.timeouts)
     lease.dispatched(body.model, handle, outcome)
     handle.on_absorbed = outcome.absorbed
     return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
@@ -286,10 +287,14 @@ def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> proto
     return protocol.RequestEntry(
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel,
         model=body.model, version=version, kind=call.kind, params=body.to_sampling_params(),
-        created=now, deadline=now + settings.request_timeout_s, key_id=lease.key.id,
+        created=now, deadline=now + _total_s(settings, lease), key_id=lease.key.id,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.cache_salt(), trace=telemetry.inject(),
         **call.prompt, **call.template)
+
+
+def _total_s(settings, lease: Lease) -> float:
+    return lease.timeouts.total_s if lease.timeouts else settings.request_timeout_s
 
 
 class _Shape:

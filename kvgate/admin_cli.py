@@ -14,7 +14,10 @@ from kvgate.cli_client import GatewayClient, KeySource, with_gateway
 
 console = Console(width=None if sys.stdout.isatty() else 160)  # piped output: no squeezed tables
 CLEARABLE = ("owner", "models", "rpm", "tpm", "max-concurrent", "daily-tokens", "expires",
-             "canary-cohort", "max-stored-bytes", "max-files", "max-batches-in-progress")
+             "canary-cohort", "max-stored-bytes", "max-files", "max-batches-in-progress",
+             "ttft-timeout", "request-timeout")
+CLEARED_FIELD = {"expires": "expires_in", "ttft-timeout": "ttft_timeout_s",
+                 "request-timeout": "request_timeout_s"}  # where the API's name is not the option's
 ADMIN_KEY = KeySource("admin key", "--admin-key", "KVGATE_ADMIN_KEY", "admin.key",
                       forbidden="the key given is not an admin key")
 with_client = with_gateway(ADMIN_KEY)
@@ -47,6 +50,12 @@ def limit_options(func):
                      help="Files the key may keep (default: KVGATE_MAX_FILES_PER_KEY)"),
         click.option("--max-batches-in-progress", type=click.IntRange(min=0),
                      help="Batches not yet final (default: KVGATE_MAX_BATCHES_IN_PROGRESS_PER_KEY)"),
+        click.option("--ttft-timeout", "ttft_timeout_s", type=click.FloatRange(min=0),
+                     help="Seconds a request may wait for its first token (0: no limit but the "
+                     "total; default: the route's, else KVGATE_TTFT_TIMEOUT_S)"),
+        click.option("--request-timeout", "request_timeout_s", type=click.FloatRange(min=0, min_open=True),
+                     help="Seconds a request may take in total (default: the route's, else "
+                     "KVGATE_REQUEST_TIMEOUT_S)"),
     )):
         func = decorator(func)
     return func
@@ -128,8 +137,7 @@ def update(client: GatewayClient, as_json: bool, key: str, new_name: str | None,
     if new_name:
         body["name"] = new_name
     for field in clear:
-        body["expires_in" if field == "expires" else field.replace("-", "_")] = (
-            [] if field == "models" else None)
+        body[CLEARED_FIELD.get(field, field.replace("-", "_"))] = [] if field == "models" else None
     if not body:
         raise click.UsageError("nothing to change: give an option or --clear")
     _print_record(client.call("PATCH", f"/admin/keys/{key}", json=body), as_json)

@@ -6,8 +6,21 @@ import secrets
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+RouteKind = Literal["chat", "completions", "responses", "messages"]
+MAX_TIMEOUT_S = 7 * 86400  # the longest any request may be allowed to run (a week)
+
+
+class RouteTimeout(BaseModel):
+    """One route kind's limits in KVGATE_ROUTE_TIMEOUTS; a field left out keeps the default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_s: float | None = Field(None, ge=0, le=MAX_TIMEOUT_S, description="To the first token "
+                                 "(0: no limit but the total)")
+    total_s: float | None = Field(None, gt=0, le=MAX_TIMEOUT_S, description="In total")
 
 
 class CommonSettings(BaseSettings):
@@ -64,7 +77,15 @@ class GatewaySettings(FilesSettings):
     max_entry_bytes: int = Field(1 << 20, ge=1024, description="Largest queue entry one request may "
                                  "put in Redis (413 above); Redis holds at most "
                                  "KVGATE_MAX_STREAM_DEPTH of them per model version")
-    request_timeout_s: float = Field(600.0, description="Total time a request may take")
+    request_timeout_s: float = Field(600.0, gt=0, le=MAX_TIMEOUT_S, description="Total time a "
+                                     "request may take (504 timeout beyond, and it is cancelled)")
+    ttft_timeout_s: float = Field(0.0, ge=0, le=MAX_TIMEOUT_S, description="Time an interactive "
+                                  "request may wait for its first token (504 ttft_timeout beyond, "
+                                  "and it is cancelled; 0: no limit but the total)")
+    route_timeouts: dict[RouteKind, RouteTimeout] = Field(
+        default_factory=dict, description="Per route kind (chat, completions, responses, "
+        "messages), JSON replacing the two defaults above, e.g. "
+        '{"chat": {"ttft_s": 20, "total_s": 300}}; a key\'s own limits replace these')
     keepalive_s: float = Field(5.0, description="SSE keep-alive comment interval while waiting")
     retries_before_first_token: int = Field(1, ge=0, le=5, description="Times a request that "
                                             "failed on a worker before its first token (engine "
