@@ -354,7 +354,7 @@ def main() -> int:
         with phases.phase("down -v"):
             down_leaves_nothing(compose)
         return 0
-    except Exception as exc:  # noqa: BLE001 (said, with the containers' logs, then the phase table)
+    except (Exception, KeyboardInterrupt) as exc:  # said, with the containers' logs; then cleaned up
         print(f"\ncompose-check FAILED: {type(exc).__name__}: {exc}", flush=True)
         if compose is not None:
             subprocess.run(["docker-compose", "-p", PROJECT, *[a for f in FILES for a in ("-f", f)],

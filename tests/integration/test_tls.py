@@ -81,3 +81,17 @@ def test_dev_certs_are_made_once_and_cover_the_loopback_names(tmp_path: Path):
     wider = dev_certs(tmp_path, ("localhost", "127.0.0.1", "gateway"))  # a new name: a new cert
     assert wider.cert.read_bytes() != before
     assert wider.ca.read_bytes() == ca  # signed by the same CA: clients need not trust anew
+
+
+def test_probe_healthcheck_trusts_only_the_ca_it_is_given(tls_stack):
+    ca = str(tls_stack.state / "tls" / "ca.pem")
+
+    def probe(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "kvgate", "probe", *args], capture_output=True,
+                              text=True, timeout=60)
+    assert probe(f"{tls_stack.url}/readyz", "--cafile", ca).returncode == 0
+    refused = probe(f"{tls_stack.url}/readyz")
+    assert refused.returncode == 1 and "CERTIFICATE_VERIFY_FAILED" in refused.stderr
+    assert probe(f"{tls_stack.url.replace('https://', 'http://')}/readyz").returncode == 1
+    missing = probe(f"{tls_stack.url}/nope", "--cafile", ca)
+    assert missing.returncode == 1 and "404" in missing.stderr

@@ -203,7 +203,18 @@ def test_tls_profile_serves_https_with_the_certificate_tls_init_makes():
     assert command[command.index("--ssl-certfile") + 1] == "/certs/server.pem"
     assert command[command.index("--ssl-keyfile") + 1] == "/certs/server.key"
     assert gateway["depends_on"]["tls-init"]["condition"] == "service_completed_successfully"
-    assert "https://" in " ".join(gateway["healthcheck"]["test"])
+    assert gateway["healthcheck"]["test"][1:] == ["kvgate", "probe", "https://localhost:8443/readyz",
+                                                  "--cafile", "/certs/ca.pem"]
+
+
+@pytest.mark.parametrize("files", COMPOSE_SETS, ids=["gpu", "cpu"])
+def test_healthchecks_hold_no_argument_with_a_space(files):
+    """podman's Docker API splits a CMD healthcheck's arguments at spaces: `python3 -c "import
+    ..."` would run as `python3 -c import`. CMD-SHELL (one string, for sh) is not split."""
+    for name, svc in _config(files)["services"].items():
+        test = svc.get("healthcheck", {}).get("test", [])
+        if test and test[0] == "CMD":
+            assert not any(" " in arg for arg in test[1:]), f"{name}: {test}"
 
 
 def test_init_secrets_writes_each_secret_once_and_processes_read_them(tmp_path):
