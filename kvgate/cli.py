@@ -167,6 +167,9 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
     if bool(certfile) != bool(keyfile):
         raise click.UsageError("TLS needs both a certificate (--ssl-certfile, KVGATE_SSL_CERTFILE) "
                                "and its key (--ssl-keyfile, KVGATE_SSL_KEYFILE)")
+    for path in (certfile, keyfile):
+        if path and not Path(path).is_file():  # from the environment: the option checked its own
+            raise click.UsageError(f"TLS: no file {path}")
     with _metrics_dir():  # before prometheus_client is imported here or in any worker process
         # with TLS the port speaks only TLS: a plain HTTP request fails its handshake, no redirect
         uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
