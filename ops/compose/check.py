@@ -174,13 +174,21 @@ class HealthChecks(threading.Thread):
         super().__init__(daemon=True)
         self.done = threading.Event()
         self.next_at: dict[str, float] = {}
+        self.running: set[str] = set()  # one check per container at a time, all containers at once
 
     def run(self) -> None:
         while not self.done.wait(1):
             for name, interval in project_healthchecks().items():
-                if time.monotonic() >= self.next_at.get(name, 0):
+                if name not in self.running and time.monotonic() >= self.next_at.get(name, 0):
                     self.next_at[name] = time.monotonic() + interval
-                    quiet(["podman", "healthcheck", "run", name], timeout=60)
+                    self.running.add(name)
+                    threading.Thread(target=self._check, args=(name,), daemon=True).start()
+
+    def _check(self, name: str) -> None:
+        try:
+            quiet(["podman", "healthcheck", "run", name], timeout=60)
+        finally:
+            self.running.discard(name)
 
 
 def project_containers(all_: bool = False) -> list[dict]:

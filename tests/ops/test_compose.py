@@ -203,7 +203,8 @@ def test_tls_profile_serves_https_with_the_certificate_tls_init_makes():
     assert command[command.index("--ssl-certfile") + 1] == "/certs/server.pem"
     assert command[command.index("--ssl-keyfile") + 1] == "/certs/server.key"
     assert gateway["depends_on"]["tls-init"]["condition"] == "service_completed_successfully"
-    assert gateway["healthcheck"]["test"][1:] == ["kvgate", "probe", "https://localhost:8443/readyz",
+    assert gateway["healthcheck"]["test"][1:] == ["python3", "-m", "kvgate.probe",
+                                                  "https://localhost:8443/readyz",
                                                   "--cafile", "/certs/ca.pem"]
 
 
