@@ -46,7 +46,8 @@ HEALTHY_TIMEOUT_S = 600
 
 
 def run(cmd: list, **kw) -> subprocess.CompletedProcess:
-    print("+", " ".join(map(str, cmd)), flush=True)
+    shown = ["***" if prev == "--admin-key" else str(arg) for prev, arg in zip([None, *cmd], cmd)]
+    print("+", " ".join(shown), flush=True)  # a key never goes to the log
     return subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
