@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-cluster redis-tls install bench-engine bench clean
+.PHONY: run test test-cluster redis-tls compose-check install bench-engine bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,7 +23,7 @@ run: $(STAMP)
 
 # the Redis Cluster tests (6 redis-server processes) run on their own: make test-cluster
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not cluster" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -m "not cluster and not compose" $(PYTEST_ARGS)
 
 test-cluster: $(STAMP) redis-tls
 	$(BIN)/python -m pytest -q -m cluster tests/cluster $(PYTEST_ARGS)
@@ -38,6 +38,12 @@ redis-tls:
 	  apt-get download -qq redis-server redis-tools liblzf1 libjemalloc2 2>/dev/null && \
 	  for deb in *.deb; do dpkg -x $$deb ..; done; \
 	fi
+
+# `docker-compose up` for real in podman, used as a user would, then `down -v` (ops/compose/check.py;
+# the same as `pytest -m compose`): a pre-release check, not in `make test`. Needs root and
+# `apt-get install podman debootstrap docker-compose`; images are cached between runs.
+compose-check: $(STAMP)
+	$(BIN)/python ops/compose/check.py
 
 bench-engine: $(STAMP)
 	$(BIN)/kvgate bench engine

@@ -16,6 +16,55 @@ ENGINES = ["paged", "hf", "synthetic"]  # hf: the naive baseline; synthetic: no 
 @click.group()
 def main() -> None:
     """kvgate: an LLM gateway and paged-KV workers that meet at Redis."""
+    _secrets_from_dir()  # before a subcommand reads its options' variables
+
+
+def _secrets_from_dir() -> None:
+    """KVGATE_* variables left unset take the files of KVGATE_SECRETS_DIR (compose's volume)."""
+    if folder := os.environ.get("KVGATE_SECRETS_DIR"):
+        from kvgate.secrets_dir import load_into_env
+
+        load_into_env(Path(folder))
+
+
+@main.command("init-secrets")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--redis-host", default="redis", show_default=True,
+              help="Host in the KVGATE_REDIS_URL written")
+def init_secrets(directory: str, redis_host: str) -> None:
+    """Write the server secret, an admin key, a first user key and Redis's password (with the
+    URL and redis.conf that use it) into DIRECTORY, each unless it is there (mode 0600)."""
+    from kvgate.secrets_dir import init_secrets as write
+
+    written = write(Path(directory), redis_host=redis_host)
+    click.echo(f"{directory}: wrote {', '.join(written)}" if written
+               else f"{directory}: every secret is there already")
+
+
+@main.command()
+@click.argument("url")
+@click.option("--cafile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Trust this CA for an https:// URL [default: the system's]")
+def probe(url: str, cafile: str | None) -> None:
+    """Exit 0 if URL answers 2xx within 3 s, else 1 with the reason (compose's healthchecks run the
+    same as `python -m kvgate.probe`, which starts faster)."""
+    from kvgate.probe import probe as check
+
+    if why := check(url, cafile):
+        raise click.ClickException(why)
+
+
+@main.command("dev-cert")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--host", "hosts", multiple=True, help="A name or address the certificate is for "
+              "(repeat) [default: localhost, 127.0.0.1, ::1]")
+def dev_cert(directory: str, hosts: tuple[str, ...]) -> None:
+    """A development CA and a server certificate it signs, in DIRECTORY (ca.pem, server.pem,
+    server.key), made once and reused while they cover the hosts."""
+    from kvgate.tls import DEFAULT_HOSTS, dev_certs
+
+    certs = dev_certs(Path(directory), tuple(hosts) or DEFAULT_HOSTS)
+    click.echo(f"CA (clients trust it): {certs.ca}\ncertificate: {certs.cert}\nkey: {certs.key}")
 
 
 @main.command("demo-model")
@@ -91,9 +140,14 @@ def worker(model, served_name, version_, engine, redis_url, **engine_opts) -> No
 @click.option("--redis-url", envvar="KVGATE_REDIS_URL", default="redis://127.0.0.1:6379/0",
               show_default=True)
 @click.option("--workers", type=int, default=1, show_default=True, help="Gateway processes")
-def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
-    """Run the gateway (secrets come from KVGATE_SECRET, KVGATE_ADMIN_KEY, KVGATE_API_KEY, never
-    the command line)."""
+@click.option("--ssl-certfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Serve HTTPS (only) with this certificate chain [default: KVGATE_SSL_CERTFILE]")
+@click.option("--ssl-keyfile", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="The certificate's private key [default: KVGATE_SSL_KEYFILE]")
+def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: str | None,
+            ssl_keyfile: str | None) -> None:
+    """Run the gateway (secrets come from KVGATE_SECRET, KVGATE_ADMIN_KEY, KVGATE_API_KEY, or
+    files named so in KVGATE_SECRETS_DIR, never the command line)."""
     import uvicorn
 
     os.environ["KVGATE_REDIS_URL"] = redis_url
@@ -106,10 +160,20 @@ def gateway(host: str, port: int, redis_url: str, workers: int) -> None:
     settings = GatewaySettings()
     logs.setup(settings.log_level, "gateway")
     grace = settings.drain_grace_s  # SIGTERM: stop accepting, let open streams finish
+    certfile, keyfile = ssl_certfile or settings.ssl_certfile, ssl_keyfile or settings.ssl_keyfile
+    if bool(certfile) != bool(keyfile):
+        raise click.UsageError("TLS needs both a certificate (--ssl-certfile, KVGATE_SSL_CERTFILE) "
+                               "and its key (--ssl-keyfile, KVGATE_SSL_KEYFILE)")
+    for path in (certfile, keyfile):
+        if path and not Path(path).is_file():  # from the environment: the option checked its own
+            raise click.UsageError(f"TLS: no file {path}")
     with _metrics_dir():  # before prometheus_client is imported here or in any worker process
+        # with TLS the port speaks only TLS: a plain HTTP request fails its handshake, no redirect
         uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
                     workers=workers, log_level="warning", log_config=None,
-                    timeout_graceful_shutdown=int(grace))
+                    timeout_graceful_shutdown=int(grace),
+                    ssl_certfile=str(certfile) if certfile else None,
+                    ssl_keyfile=str(keyfile) if keyfile else None)
 
 
 @contextlib.contextmanager
@@ -143,6 +207,8 @@ def _metrics_dir():
 @click.option("--state-dir", default=".kvgate", show_default=True,
               help="Where URLs and keys for scripts are written")
 @click.option("--gateway-workers", type=int, default=1, show_default=True, help="Gateway processes")
+@click.option("--tls", is_flag=True, help="HTTPS only, with a development CA and certificate made "
+              "once in STATE_DIR/tls (the worker's /metrics too); prints how to trust the CA")
 def up(**opts) -> None:
     """Redis, a worker, the gateway and Celery (worker, beat) on 127.0.0.1; Ctrl-C stops all."""
     from kvgate.up import run_up

@@ -13,6 +13,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from kvgate.tls import DevCerts, dev_certs, trust_hint
 from shared.backoff import Backoff
 from shared.logs import JsonFormatter
 from shared.redis_server import RedisServer, free_port
@@ -174,7 +176,7 @@ def spawn_services(stack: Stack, env: dict) -> None:
 
 
 def wait_ready(stack: Stack, url: str, key: str, served_name: str,
-               stopping: Callable[[], bool]) -> bool:
+               stopping: Callable[[], bool], verify: ssl.SSLContext | bool = True) -> bool:
     """True once the gateway lists the model; False if asked to stop first; a child that dies
     meanwhile ends the wait with an error (no restarts before the stack has been up once)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -183,7 +185,7 @@ def wait_ready(stack: Stack, url: str, key: str, served_name: str,
         if (why := stack.dead_child()) is not None:
             raise RuntimeError(f"{why}\nnot restarting: the stack was never ready")
         try:
-            models = httpx.get(f"{url}/v1/models", headers=headers, timeout=2)
+            models = httpx.get(f"{url}/v1/models", headers=headers, timeout=2, verify=verify)
             if models.status_code == 200 and any(m["id"] == served_name for m in models.json()["data"]):
                 return True
         except httpx.HTTPError:
@@ -195,7 +197,7 @@ def wait_ready(stack: Stack, url: str, key: str, served_name: str,
 
 
 def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
-           gateway_workers: int = 1, redis_url: str | None = None) -> int:
+           gateway_workers: int = 1, redis_url: str | None = None, tls: bool = False) -> int:
     state = Path(state_dir).resolve()
     state.mkdir(parents=True, exist_ok=True)
     model_dir = Path(model).resolve() if model else default_model_dir()
@@ -221,20 +223,29 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
         # gateway and Redis want a core, cost ~20% of tokens/s at 64 streams on 2 cores.
         threads = os.environ.get("KVGATE_TORCH_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
         metrics_port = os.environ.get("KVGATE_METRICS_PORT") or str(free_port())  # kept by a restart
+        certs = dev_certs(state / "tls") if tls else None
         stack.spawn("worker", ["worker", "--model", str(model_dir), "--served-name", served_name,
                                "--version", version_, "--engine", engine],
-                    {**env, "KVGATE_TORCH_THREADS": threads, "KVGATE_METRICS_PORT": metrics_port})
+                    {**env, "KVGATE_TORCH_THREADS": threads, "KVGATE_METRICS_PORT": metrics_port,
+                     **tls_env(certs, "KVGATE_METRICS_SSL_CERTFILE", "KVGATE_METRICS_SSL_KEYFILE")})
         stack.spawn("gateway", ["gateway", "--port", str(port), "--workers", str(gateway_workers)],
                     {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
-                     "KVGATE_SECRET": server_secret(state)})
-        url = f"http://127.0.0.1:{port}"
-        spawn_services(stack, {**env, "KVGATE_GATEWAY_URL": url, "KVGATE_SECRET": server_secret(state)})
-        if not wait_ready(stack, url, key, served_name, lambda: stopping):
+                     "KVGATE_SECRET": server_secret(state),
+                     **tls_env(certs, "KVGATE_SSL_CERTFILE", "KVGATE_SSL_KEYFILE")})
+        url = f"{'https' if certs else 'http'}://127.0.0.1:{port}"
+        # Celery's batch lines go through the gateway: with TLS, trusting the development CA
+        trust = {"SSL_CERT_FILE": str(certs.ca)} if certs else {}
+        spawn_services(stack, {**env, "KVGATE_GATEWAY_URL": url, "KVGATE_SECRET": server_secret(state),
+                               **trust})
+        verify = ssl.create_default_context(cafile=str(certs.ca)) if certs else True
+        if not wait_ready(stack, url, key, served_name, lambda: stopping, verify):
             return 0
         metrics_url = worker_metrics_url(redis_url, served_name)
         (state / "worker.metrics.url").write_text(metrics_url + "\n")
         _write_state(state, url, redis_url, key, admin_key, model_dir)
         _announce(url, key, served_name, state)
+        if certs:
+            print(trust_hint(certs.ca, url), flush=True)
         while not stopping:
             stack.supervise()
             time.sleep(0.3)
@@ -245,6 +256,11 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
     finally:
         print("kvgate up: stopping", file=sys.stderr)
         stack.stop()
+
+
+def tls_env(certs: DevCerts | None, cert_var: str, key_var: str) -> dict[str, str]:
+    """The variables that serve a process's port with the development certificate."""
+    return {cert_var: str(certs.cert), key_var: str(certs.key)} if certs else {}
 
 
 def redis_for(stack: Stack, port: int, redis_url: str | None) -> tuple[str, dict[str, str]]:

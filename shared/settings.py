@@ -40,6 +40,10 @@ class CommonSettings(BaseSettings):
     broker_url: str | None = Field(None, description="Celery's broker (default: KVGATE_REDIS_URL in "
                                    "single mode; required in cluster and sentinel modes: Celery's "
                                    "Redis transport cannot use a cluster)")
+    secrets_dir: Path | None = Field(None, description="A folder of files named like KVGATE_* "
+                                     "variables, one value each (`kvgate init-secrets` writes "
+                                     "them; compose keeps them on a volume): a variable left unset "
+                                     "takes its file's value")
     log_level: str = Field("INFO", description="Logging level")
     otlp_endpoint: str | None = Field(None, description="OTLP/HTTP collector traces go to "
                                       "(e.g. http://otel-collector:4318); unset: no tracing")
@@ -61,6 +65,10 @@ class FilesSettings(CommonSettings):
 class GatewaySettings(FilesSettings):
     host: str = Field("127.0.0.1", description="Bind address (loopback by default)")
     port: int = Field(8000, description="HTTP port")
+    ssl_certfile: Path | None = Field(None, description="TLS: the gateway's certificate chain "
+                                      "(PEM); with KVGATE_SSL_KEYFILE the port speaks HTTPS only")
+    ssl_keyfile: Path | None = Field(None, description="TLS: the private key of "
+                                     "KVGATE_SSL_CERTFILE (PEM)")
     api_key: SecretStr | None = Field(None, description="Bootstrap user key, valid besides the keys in Redis")
     secret: SecretStr | None = Field(None, description="Server secret that keys are HMAC-ed with (required)")
     admin_key: SecretStr | None = Field(None, description="Bootstrap admin key: the way into /admin")
@@ -222,6 +230,11 @@ class WorkerSettings(CommonSettings):
     metrics_host: str = Field("127.0.0.1", description="Bind address of the worker's /metrics")
     metrics_port: int = Field(0, ge=0, description="Port of the worker's /metrics (0: any free "
                               "port; the URL is in its registry entry)")
+    metrics_ssl_certfile: Path | None = Field(None, description="TLS: certificate chain (PEM) "
+                                              "of the worker's /metrics; with "
+                                              "KVGATE_METRICS_SSL_KEYFILE it speaks HTTPS only")
+    metrics_ssl_keyfile: Path | None = Field(None, description="TLS: the private key of "
+                                             "KVGATE_METRICS_SSL_CERTFILE (PEM)")
 
     @model_validator(mode="after")
     def _name_from_folder(self) -> WorkerSettings:

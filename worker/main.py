@@ -99,7 +99,8 @@ def run_worker(s: WorkerSettings) -> None:
         raise SystemExit(f"kvgate worker: {exc}") from None
     service = WorkerService(s, engine, engine.tokenizer)
     service.metrics.describe_engine(engine.max_model_len, engine.kv_cache)
-    service.metrics.serve(s.metrics_host, s.metrics_port)
+    service.metrics.serve(s.metrics_host, s.metrics_port, s.metrics_ssl_certfile,
+                          s.metrics_ssl_keyfile)
     signal.signal(signal.SIGTERM, lambda *_: service.drain())  # finish in-flight, then exit
     signal.signal(signal.SIGINT, lambda *_: service.stop())
     try:

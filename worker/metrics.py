@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from opentelemetry.trace import SpanKind
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
@@ -201,12 +202,16 @@ class WorkerMetrics:
         """Export what start-up sized the engine to (`kv`: its KVCacheFacts, or None)."""
         self.registry.register(StartupCollector(self.labels, max_model_len, kv))
 
-    def serve(self, host: str, port: int) -> str:
-        """Start /metrics on its own port (0: any free one); its URL."""
+    def serve(self, host: str, port: int, certfile: Path | None = None,
+              keyfile: Path | None = None) -> str:
+        """Start /metrics on its own port (0: any free one), HTTPS given a certificate; its URL."""
         disable_created_metrics()  # no `_created` series beside each counter and histogram
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
+        tls = bool(certfile and keyfile)
+        server, _ = start_http_server(port, addr=host, registry=self.registry,
+                                      certfile=str(certfile) if tls else None,
+                                      keyfile=str(keyfile) if tls else None)
         shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
-        self.url = f"http://{shown}:{server.server_port}/metrics"
+        self.url = f"{'https' if tls else 'http'}://{shown}:{server.server_port}/metrics"
         log.info("metrics at %s", self.url)
         return self.url
 
