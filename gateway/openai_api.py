@@ -445,7 +445,10 @@ async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usa
         try:
             async for reply in replies:
                 if reply is KEEPALIVE:
-                    yield b": keep-alive\n\n"
+                    # a comment line without the blank line that ends an event: once an event
+                    # had an `id:`, the openai client dispatches every blank line as an event
+                    # with that id and no data, and fails to parse it (the SSE spec keeps the id)
+                    yield b": keep-alive\n"
                     continue
                 new = reply.seq > after
                 if isinstance(reply, protocol.Delta):
