@@ -451,8 +451,9 @@ async def _sse(answer: Answer, replies: Lookahead, lease: Lease,
 
 async def _model_card(state: GatewayState, name: str, lease: Lease) -> dict:
     """`max_model_len` (vLLM's field): the smallest among the live workers of the version this key
-    would be routed to now (None while none of them says)."""
+    would be routed to now (None while none of them says); `chat_markers`: its chat template as role
+    markers, for clients that write a chat as text (kvgate.lang; None: the template has none)."""
     version = await state.router.version_for(name, lease.key)
     facts = await state.registry.facts(name, version)
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
-            "max_model_len": facts.max_model_len}
+            "max_model_len": facts.max_model_len, "chat_markers": facts.chat_markers}
