@@ -61,6 +61,10 @@ class Role:
     role: str
     parts: list[Part] = field(default_factory=list)
 
+    @property
+    def step(self) -> str:
+        return f"{self.role}(...)"
+
 
 def gen(name: str, max_tokens: int | None = None, stop: list[str] | str | None = None,
         temperature: float | None = None, seed: int | None = None, regex: str | None = None,

@@ -151,8 +151,11 @@ class ProgramState:
             self._chatting = True
         generates = any(isinstance(p, (Gen, Select)) for p in msg.parts)
         self._text += markers["generation"] if msg.role == "assistant" and generates else markers["start"][msg.role]
-        for part in msg.parts:
-            self._apply(part)
+        for part in msg.parts:  # a generation inside names itself
+            try:
+                self._apply(part)
+            except BackendError as exc:
+                raise ProgramError(getattr(part, "step", msg.step), exc.message, exc.status, exc.code) from exc
         self._text += markers["end"]
 
 
