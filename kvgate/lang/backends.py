@@ -5,6 +5,7 @@ prompt (select). `Endpoint` asks a kvgate gateway (every call under the API key'
 from __future__ import annotations
 
 import json
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class Endpoint(Backend):
                                    limits=httpx.Limits(max_connections=max_connections))
         self._pool = ThreadPoolExecutor(max_connections, thread_name_prefix="kvgate-lang-select")
         self._markers: dict | None = None
+        self.usage = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}  # what the key was charged
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self.client.close()
@@ -98,7 +101,15 @@ class Endpoint(Backend):
         return list(self._pool.map(one, choices))
 
     def _post(self, body: dict) -> dict:
-        return self._checked(self.client.post("/v1/completions", json=body))
+        out = self._checked(self.client.post("/v1/completions", json=body))
+        self._count(out["usage"])
+        return out
+
+    def _count(self, usage: dict) -> None:
+        with self._lock:
+            self.usage["requests"] += 1
+            self.usage["prompt_tokens"] += usage["prompt_tokens"]
+            self.usage["completion_tokens"] += usage["completion_tokens"]
 
     def _stream(self, body: dict, on_text: Callable[[str], None]) -> Generated:
         text, reason, usage = [], None, {"prompt_tokens": 0, "completion_tokens": 0}
@@ -118,6 +129,7 @@ class Endpoint(Backend):
                         text.append(choice["text"])
                         on_text(choice["text"])
                     reason = choice.get("finish_reason") or reason
+        self._count(usage)
         return Generated("".join(text), reason, usage["prompt_tokens"], usage["completion_tokens"])
 
     @staticmethod
