@@ -332,8 +332,8 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
-
     def _text_choice(self, i: int, text: str, lps: list | None, reason: str | None) -> dict:
+        """A whole completion choice: the echoed prompt (and its logprobs) first."""
         echo = self.echo
         choice = {"index": i, "text": (echo.text or "") + text, "logprobs": _text_logprobs(echo.logprobs(lps)),
                   "finish_reason": reason}
