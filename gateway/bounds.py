@@ -70,7 +70,7 @@ BOUNDS = (
     Bound("stop_token_ids", 0, STOP_TOKEN_IDS, "ids, each in [0, the model's vocabulary size)"),
     Bound("prompt (token ids)", 1, PROMPT_TOKEN_IDS, "ids, each in [0, the model's vocabulary size)"),
     Bound("messages", 1, MESSAGES, "messages; content is a string or a list of text parts"),
-    Bound("logprobs (completions), top_logprobs (chat)", 0, LOGPROBS),
+    Bound("logprobs, prompt_logprobs (completions), top_logprobs (chat)", 0, LOGPROBS),
     Bound("user", 0, USER_CHARS, "characters"),
     Bound("logit_bias", 0, LOGIT_BIAS, f"token ids, each in [0, the model's vocabulary size), each "
           f"biased by -{LOGIT_BIAS_VALUE} to {LOGIT_BIAS_VALUE}"),

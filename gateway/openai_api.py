@@ -155,7 +155,7 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     lease.dispatched(body.model, handle, outcome)
     handle.on_absorbed = outcome.absorbed
     return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
-                  _Shape(call.kind, entry.request_id, body.model, body.n, outputs),
+                  _Shape(call.kind, entry.request_id, body.model, body.n, outputs, _Echo.of(call)),
                   {VERSION_HEADER: version, "x-request-id": entry.request_id})
 
 
@@ -297,14 +297,62 @@ def _total_s(settings, lease: Lease) -> float:
     return lease.timeouts.total_s if lease.timeouts else settings.request_timeout_s
 
 
+@dataclass
+class _Echo:
+    """What a completion gives back of its prompt: the text (echo), its tokens' logprobs before the
+    choice's own (echo with logprobs, OpenAI's legacy shape), vLLM's `prompt_logprobs` field; and
+    the prompt's scores once the worker sent them (on choice 0's first delta)."""
+
+    text: str | None = None
+    with_logprobs: bool = False
+    vllm_field: bool = False
+    scores: list[dict] | None = None
+    echoed: set[int] = dataclasses.field(default_factory=set)  # choices whose prompt text went out
+
+    @classmethod
+    def of(cls, call: Call) -> _Echo:
+        body = call.body
+        if call.kind != "completion":
+            return cls()
+        return cls(body.prompt if body.echo else None, body.echo and body.logprobs is not None,
+                   body.prompt_logprobs is not None)
+
+    def text_of(self, index: int, text: str) -> str:
+        """A streamed choice's text: its first chunk starts with the prompt."""
+        if self.text is None or index in self.echoed:
+            return text
+        self.echoed.add(index)
+        return self.text + text
+
+    def logprobs(self, lps: list[dict] | None) -> list[dict] | None:
+        """The prompt's entries (the first has no logprob: nothing predicts it) before `lps`."""
+        if not self.with_logprobs or self.scores is None:
+            return lps
+        return self.scores + (lps or [])
+
+    def vllm(self, scores: list[dict] | None) -> list | None:
+        """vLLM's shape: per prompt token None or {token id: {logprob, rank, decoded_token}} for
+        the token itself and its top entries."""
+        if scores is None:
+            return None
+        def entry(e: dict) -> dict:
+            out = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": text}
+                   for r, (t, (text, v)) in enumerate(zip(e["top_ids"], e["top"]))}
+            out.setdefault(str(e["token_id"]), {"logprob": e["logprob"], "rank": e["rank"],
+                                                "decoded_token": e["token"]})
+            return out
+        return [None if e["logprob"] is None else entry(e) for e in scores]
+
+
 class _Shape:
     """Builds OpenAI's response objects for one request (chat or text completion)."""
 
-    def __init__(self, kind: str, request_id: str, model: str, n: int, outputs):
+    def __init__(self, kind: str, request_id: str, model: str, n: int, outputs, echo: _Echo | None = None):
         self.kind, self.id, self.model, self.n = kind, request_id, model, n
         self.created = int(time.time())
         self.new_output = outputs  # () -> how one choice's text becomes content and tool calls
         self.outputs: dict[int, tool_calls.ChoiceOutput] = {}
+        self.echo = echo or _Echo()
 
     def output(self, index: int) -> tool_calls.ChoiceOutput:
         if index not in self.outputs:
@@ -331,8 +379,14 @@ class _Shape:
                 return None
             return {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs),
                     "finish_reason": out.finish_reason(d.finish_reason)}
-        return {"index": d.index, "text": d.text, "logprobs": _text_logprobs(d.logprobs),
-                "finish_reason": d.finish_reason}
+        if d.prompt_logprobs is not None:
+            self.echo.scores = d.prompt_logprobs
+        lps = self.echo.logprobs(d.logprobs) if d.index not in self.echo.echoed else d.logprobs
+        choice = {"index": d.index, "text": self.echo.text_of(d.index, d.text),
+                  "logprobs": _text_logprobs(lps), "finish_reason": d.finish_reason}
+        if self.echo.vllm_field and d.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.echo.vllm(d.prompt_logprobs)
+        return choice
 
     def role_choices(self) -> list[dict]:
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -351,11 +405,19 @@ class _Shape:
                 choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(lps),
                                 "finish_reason": out.finish_reason(reasons.get(i))})
             else:
-                choices.append({"index": i, "text": texts.get(i, ""), "logprobs": _text_logprobs(lps),
-                                "finish_reason": reasons.get(i)})
+                choices.append(self._text_choice(i, texts.get(i, ""), lps, reasons.get(i)))
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
+
+    def _text_choice(self, i: int, text: str, lps: list | None, reason: str | None) -> dict:
+        """A whole completion choice: the echoed prompt (and its logprobs) first."""
+        echo = self.echo
+        choice = {"index": i, "text": (echo.text or "") + text, "logprobs": _text_logprobs(echo.logprobs(lps)),
+                  "finish_reason": reason}
+        if echo.vllm_field:
+            choice["prompt_logprobs"] = echo.vllm(echo.scores)
+        return choice
 
 
 def _usage(done: protocol.Done) -> dict:
@@ -381,8 +443,9 @@ def _chat_logprobs(lps: list[dict] | None) -> dict | None:
 def _text_logprobs(lps: list[dict] | None) -> dict | None:
     if lps is None:
         return None
+    # an echoed prompt's first token has no entry: null logprob and top, OpenAI's legacy shape
     return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [_text_top(e) for e in lps]}
+            "top_logprobs": [None if e["logprob"] is None else _text_top(e) for e in lps]}
 
 
 def _text_top(e: dict) -> dict[str, float]:
@@ -408,6 +471,8 @@ async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:
                 reasoning[reply.index] = reasoning.get(reply.index, "") + reply.reasoning
             if reply.logprobs is not None:
                 logprobs.setdefault(reply.index, []).extend(reply.logprobs)
+            if reply.prompt_logprobs is not None:
+                shape.echo.scores = reply.prompt_logprobs
             if reply.finish_reason:
                 reasons[reply.index] = reply.finish_reason
         elif isinstance(reply, protocol.Done):
@@ -452,7 +517,8 @@ async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usa
                     continue
                 new = reply.seq > after
                 if isinstance(reply, protocol.Delta):
-                    if not (reply.text or reply.reasoning or reply.finish_reason or reply.logprobs):
+                    if not (reply.text or reply.reasoning or reply.finish_reason or reply.logprobs
+                            or reply.prompt_logprobs):
                         continue  # the admission verdict, or text the detokenizer holds back
                     if (choice := shape.delta_choice(reply)) is not None and new:
                         yield _event(shape.chunk([choice]), resume.event_id(rid, reply.seq))
@@ -471,8 +537,9 @@ async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usa
 
 async def _model_card(state: GatewayState, name: str, lease: Lease) -> dict:
     """`max_model_len` (vLLM's field): the smallest among the live workers of the version this key
-    would be routed to now (None while none of them says)."""
+    would be routed to now (None while none of them says); `chat_markers`: its chat template as role
+    markers, for clients that write a chat as text (kvgate.lang; None: the template has none)."""
     version = await state.router.version_for(name, lease.key)
     facts = await state.registry.facts(name, version)
     return {"id": name, "object": "model", "created": 0, "owned_by": "kvgate",
-            "max_model_len": facts.max_model_len}
+            "max_model_len": facts.max_model_len, "chat_markers": facts.chat_markers}

@@ -20,6 +20,7 @@ class Facts:
     vocab_size: int | None = None
     schema: int | None = None  # the protocol schema to write entries in (None: the oldest, 1)
     tool_call_parser: str | None = None  # the family parser of tool calls, when every worker names the same
+    chat_markers: dict | None = None  # the chat template as role markers (worker/engine/chat_markers.py)
 
 
 def _info(raw: bytes | None) -> dict | None:
@@ -39,6 +40,12 @@ def _agreed(workers: list[dict], field: str) -> str | None:
     values = {w.get(field) for w in workers}
     value = values.pop() if len(values) == 1 else None
     return value if isinstance(value, str) else None
+
+
+def _same_dict(workers: list[dict], field: str) -> dict | None:
+    """The mapping every worker gives (None if one differs or says nothing)."""
+    values = [w.get(field) for w in workers]
+    return values[0] if values and isinstance(values[0], dict) and all(v == values[0] for v in values) else None
 
 
 def _smallest(workers: list[dict], field: str) -> int | None:
@@ -86,4 +93,4 @@ class Registry:
                    if w["served_name"] == served_name and w["version"] == version]
         schema = 1 if any("schema" not in w for w in workers) else _smallest(workers, "schema")
         return Facts(_smallest(workers, "max_model_len"), _smallest(workers, "vocab_size"), schema,
-                     _agreed(workers, "tool_call_parser"))
+                     _agreed(workers, "tool_call_parser"), _same_dict(workers, "chat_markers"))

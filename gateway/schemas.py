@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator,
+                      model_validator)
 
 from gateway import bounds as b
 from gateway import structured, tool_calls
@@ -164,14 +165,34 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Union[str, Annotated[list[TokenId], Field(max_length=b.PROMPT_TOKEN_IDS)], list[str]]
     logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before each choice's text (and its logprobs, with logprobs)
+    # vLLM's: each prompt token's logprob and rank plus the top-k, in each choice's `prompt_logprobs`
+    prompt_logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
+    # kvgate's (SGLang's logprob_start_len): positions before it are not scored, and may be read
+    # from the prefix cache
+    prompt_logprobs_start: int | None = Field(None, ge=0, le=b.MAX_TOKENS)
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, v):
-        if v:  # refused rather than ignored: a client that asked for its prompt back would not get it
-            raise ValueError("echo is not supported")
+    def _echo_needs_text(cls, v, info: ValidationInfo):
+        """(`prompt`, `logprobs`, `stream` and `n` are validated before `echo`.)"""
+        if v and isinstance(info.data.get("prompt"), list):
+            raise ValueError("echo needs a text prompt: the gateway has no tokenizer to write token ids "
+                             "back as text")
+        if v and info.data.get("logprobs") is not None and info.data.get("stream") and info.data.get("n", 1) > 1:
+            raise ValueError("echo with logprobs streams one choice (the prompt is scored once); "
+                             "send n=1 or stream=false")
         return v
+
+    def scores_prompt(self) -> int | None:
+        """The engine's prompt_logprobs: asked for directly, or by echo with logprobs (OpenAI's legacy
+        way: the echoed prompt's tokens carry theirs)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    def _respelled(self) -> dict:
+        return {**super()._respelled(), "prompt_logprobs": self.scores_prompt()}
 
     @field_validator("prompt")
     @classmethod

@@ -42,6 +42,10 @@ REFUSED = (
     Refused("tools", "tools are served on /v1/chat/completions"),
     Refused("tool_choice", "tool_choice is served on /v1/chat/completions"),
     Refused("chat_template_kwargs", "chat_template_kwargs apply on /v1/chat/completions"),
+    # on /v1/chat/completions, where these are not declared: a prompt is scored as text
+    Refused("echo", "echo is served on /v1/completions"),
+    Refused("prompt_logprobs", "prompt_logprobs are served on /v1/completions"),
+    Refused("prompt_logprobs_start", "prompt_logprobs_start is served on /v1/completions"),
 )
 
 

@@ -247,6 +247,18 @@ def bench_structured(model: str | None, quick: bool, out: str) -> None:
     run_bench(quick=quick, out_json=out, model_dir=model)
 
 
+@bench.command("programs")
+@click.option("--model", default=None, help="A model folder (default: a random ~58M Llama built for the run)")
+@click.option("--quick", is_flag=True, help="The tiny model and smaller programs (a smoke run)")
+@click.option("--questions", type=int, default=None, help="Multiple-choice questions (default 64)")
+@click.option("--out", default="docs/perf/programs.json", show_default=True)
+def bench_programs(model: str | None, quick: bool, questions: int | None, out: str) -> None:
+    """Generation programs (kvgate.lang) through the gateway: cached, uncached, and naive calls."""
+    from kvgate.bench.programs import run_bench
+
+    run_bench(quick=quick, out_json=out, model_dir=model, questions=questions)
+
+
 from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving benchmark)
 
 bench.add_command(serve_command, "serve")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -90,6 +90,8 @@ class Delta(BaseModel):
     reasoning: str | None = None  # thinking text (a reasoning model's), apart from the answer's text
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[dict[str, Any]] | None = None
+    # v4: on a request's first delta of choice 0, one entry per prompt token (logprob None: unscored)
+    prompt_logprobs: list[dict[str, Any]] | None = None
     finish_reason: str | None = None
 
 
@@ -130,16 +132,19 @@ _reply_adapter: TypeAdapter = TypeAdapter(Reply)
 ADDED: dict[int, dict[str, frozenset[str]]] = {
     2: {"error": frozenset({"retryable"})},
     3: {"request": frozenset({"tools", "chat_template_kwargs"}), "delta": frozenset({"reasoning"})},
+    4: {"delta": frozenset({"prompt_logprobs"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
-NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3}
+NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
+                         "prompt_logprobs": 4}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
     """The features `entry` uses that a peer speaking `version` would not honour."""
     used = {"tools": entry.tools, "chat_template_kwargs": entry.chat_template_kwargs,
-            "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias}
+            "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias,
+            "prompt_logprobs": entry.params.prompt_logprobs is not None}
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

@@ -57,6 +57,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: off; k >= 0: the sampled token's logprob plus top-k
+    # None: off; k >= 0: each prompt token's logprob (and rank) plus the top-k (vLLM's); the first is None
+    prompt_logprobs: int | None = None
+    # prompt positions before this get None and may be served from the prefix cache (SGLang's
+    # logprob_start_len): scoring a continuation recomputes only from the block holding it; None: 0
+    prompt_logprobs_start: int | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False

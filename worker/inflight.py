@@ -96,6 +96,7 @@ class InFlight:
         self.outbox.reply(act.reply_channel, protocol.Delta(
             request_id=out.request_id, seq=act.next_seq(), index=out.index, text=text,
             reasoning=reasoning or None, token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+            prompt_logprobs=self._wire_prompt_logprobs(out),
             finish_reason=out.finish_reason if out.finished else None), act.version)
         if out.finished:
             act.finished.add(out.index)
@@ -111,11 +112,23 @@ class InFlight:
         `top` stays [text, logprob] pairs, as a gateway of the previous release reads them."""
         if not out.logprobs:
             return None
+        return [self._wire_logprob(lp) for lp in out.logprobs]
+
+    def _wire_prompt_logprobs(self, out: RequestOutput) -> list[dict | None] | None:
+        """One per prompt token, each with its rank; an unscored one (the first always) has only its
+        token, logprob None (an echoed prompt still shows it)."""
+        if out.prompt_logprobs is None:
+            return None
         of = self._token_text.of
-        return [{"token_id": lp.token_id, "token": of(lp.token_id)[0], "logprob": lp.logprob,
-                 "bytes": of(lp.token_id)[1], "top": [[of(t)[0], v] for t, v in lp.top],
-                 "top_ids": [t for t, _ in lp.top], "top_bytes": [of(t)[1] for t, _ in lp.top]}
-                for lp in out.logprobs]
+        return [{"token_id": t, "token": of(t)[0], "bytes": of(t)[1], "logprob": None} if lp is None
+                else {**self._wire_logprob(lp), "rank": lp.rank}
+                for t, lp in zip(out.prompt_token_ids, out.prompt_logprobs)]
+
+    def _wire_logprob(self, lp) -> dict:
+        of = self._token_text.of
+        return {"token_id": lp.token_id, "token": of(lp.token_id)[0], "logprob": lp.logprob,
+                "bytes": of(lp.token_id)[1], "top": [[of(t)[0], v] for t, v in lp.top],
+                "top_ids": [t for t, _ in lp.top], "top_bytes": [of(t)[1] for t, _ in lp.top]}
 
     def _done(self, request_id: str) -> None:
         act = self.requests.pop(request_id)

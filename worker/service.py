@@ -27,6 +27,7 @@ from worker.heartbeat import Heartbeat
 from worker.inflight import InFlight
 from worker.metrics import WorkerMetrics
 from worker.replies import Outbox
+from worker.engine.chat_markers import chat_markers
 from worker.thinking import Markers
 
 log = logging.getLogger("kvgate.worker")
@@ -48,6 +49,7 @@ class WorkerService:
                              settings.max_checkpoint_bytes)
         self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer)
         markers = Markers.of(tokenizer, settings.reasoning_parser) if settings.reasoning_parser else None
+        self.chat_markers = chat_markers(tokenizer)  # for clients that write chats as text (kvgate.lang)
         self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
                                    self.inflight, markers)
         self.cancels = CancelListener(self.redis, self.stopping)
@@ -92,7 +94,7 @@ class WorkerService:
                 "eos_token_ids": sorted(engine.eos_token_ids), "bos_token_id": engine.bos_token_id,
                 "schema": protocol.SCHEMA_VERSION, "draining": self.drain_deadline is not None,
                 "reasoning_parser": s.reasoning_parser, "tool_call_parser": s.tool_call_parser,
-                "active": len(self.inflight), "stats": engine.stats(),
+                "chat_markers": self.chat_markers, "active": len(self.inflight), "stats": engine.stats(),
                 **self.metrics.outcomes.registry_fields(), "metrics_url": self.metrics.url,
                 "ts": time.time()}
 

@@ -27,7 +27,7 @@ def _chat(**fields):
 @pytest.mark.parametrize("field, high", [
     ("max_tokens", bounds.MAX_TOKENS), ("min_tokens", bounds.MAX_TOKENS), ("top_k", bounds.TOP_K),
     ("n", bounds.N), ("seed", bounds.INT64_MAX), ("priority", bounds.PRIORITY),
-    ("logprobs", bounds.LOGPROBS)])
+    ("logprobs", bounds.LOGPROBS), ("prompt_logprobs", bounds.LOGPROBS)])
 def test_numbers_are_bounded_at_both_ends(field, high):
     _completion(**{field: high})
     with pytest.raises(ValidationError):
@@ -41,7 +41,8 @@ def test_numbers_are_bounded_at_both_ends(field, high):
     {"stop": [""]}, {"stop_token_ids": [0] * (bounds.STOP_TOKEN_IDS + 1)},
     {"stop_token_ids": [-1]}, {"stop_token_ids": [bounds.TOKEN_ID_MAX + 1]},
     {"prompt": [1, -7]}, {"prompt": []}, {"prompt": [[1, 2]]}, {"model": "m" * (bounds.MODEL_NAME_CHARS + 1)},
-    {"user": "u" * (bounds.USER_CHARS + 1)}, {"echo": True}])
+    {"user": "u" * (bounds.USER_CHARS + 1)}, {"echo": True, "prompt": [1, 2]},
+    {"echo": True, "logprobs": 1, "stream": True, "n": 2}, {"prompt_logprobs_start": -1}])
 def test_completion_fields_out_of_bounds_are_refused(fields):
     with pytest.raises(ValidationError):
         _completion(**fields)

@@ -23,6 +23,7 @@ MAX_N = 16  # choices per request: each is a sequence with its own KV
 class ModelFacts:
     kv_cache: KVCacheFacts | None = None  # the paged engine's pool; none in hf and synthetic
     constrains = False  # compiles structured_outputs (the paged engine); the others refuse them
+    scores_prompts = False  # computes prompt_logprobs (the paged engine); the others refuse them
 
     def __init__(self, tokenizer, eos_token_ids, max_model_len: int, vocab_size: int):
         self._tokenizer = tokenizer
@@ -68,6 +69,9 @@ class ModelFacts:
         if params.structured_outputs is not None and not self.constrains:
             raise EngineRejected(f"structured_outputs need the paged engine; this worker runs "
                                  f"{type(self).__name__}", "invalid_structured_output", "structured_outputs")
+        if params.prompt_logprobs is not None and not self.scores_prompts:
+            raise EngineRejected(f"prompt_logprobs need the paged engine; this worker runs "
+                                 f"{type(self).__name__}", "invalid_request", "prompt_logprobs")
         return self._check_context(prompt_ids, params)
 
     def _check_logit_bias(self, bias: dict[int, float]) -> None:
@@ -115,6 +119,10 @@ def _check_numbers(p: SamplingParams, vocab_size: int) -> None:
         refuse("n", f"between 1 and {MAX_N}", p.n)
     if p.logprobs is not None and not 0 <= p.logprobs <= vocab_size:
         refuse("logprobs", f"between 0 and the vocabulary size ({vocab_size})", p.logprobs)
+    if p.prompt_logprobs is not None and not 0 <= p.prompt_logprobs <= vocab_size:
+        refuse("prompt_logprobs", f"between 0 and the vocabulary size ({vocab_size})", p.prompt_logprobs)
+    if p.prompt_logprobs_start is not None and p.prompt_logprobs_start < 0:
+        refuse("prompt_logprobs_start", "0 or more", p.prompt_logprobs_start)
     if p.top_k < -1:
         refuse("top_k", "-1 or 0 (off) or a positive number of tokens", p.top_k)
     if p.temperature < 0:

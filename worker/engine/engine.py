@@ -35,6 +35,7 @@ IDLE_COMPILE_WAIT_S = 0.05  # an empty step waits this long for a grammar instea
 
 class LLMEngine(ModelFacts):
     constrains = True
+    scores_prompts = True
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -78,6 +79,8 @@ class LLMEngine(ModelFacts):
             for token in resume.output_ids.get(seq.index, []):  # one at a time, as first released
                 seq.append_token(token)
                 seq.detokenizer.add([token])
+            if seq.output_ids:  # a resumed choice: its prompt's scores went out with its first token
+                seq.prompt_scores = None
         if grammar is not None and seqs:  # waits for its grammar outside the batch
             self.compiling.add(request_id, grammar, seqs)
         else:
@@ -199,7 +202,11 @@ class LLMEngine(ModelFacts):
             self.scheduler.finish(seq, reason)
             if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
-        return self._output(seq, [token], text, logprob)
+        out = self._output(seq, [token], text, logprob)
+        out.prompt_logprobs = seq.take_prompt_logprobs()
+        if out.prompt_logprobs is not None:
+            out.prompt_token_ids = seq.prompt_ids
+        return out
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], text: str, logprob: TokenLogprob | None) -> RequestOutput:

@@ -22,6 +22,7 @@ class Completion:
 class GenerationResult:
     prompt_token_ids: list[int]
     outputs: list[Completion]  # one per choice (n)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, when asked for
 
     @property
     def token_ids(self) -> list[int]:
@@ -67,6 +68,8 @@ class LLM:
                 choice = results[out.request_id].outputs[out.index]
                 choice.token_ids += out.new_token_ids
                 choice.text += out.text
+                if out.prompt_logprobs is not None:
+                    results[out.request_id].prompt_logprobs = out.prompt_logprobs
                 if out.logprobs is not None:
                     choice.logprobs = (choice.logprobs or []) + out.logprobs
                 if out.finished:

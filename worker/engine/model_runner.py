@@ -18,6 +18,8 @@ from worker.engine.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.dtype import choose_dtype
+from worker.engine import prompt_logprobs
+from worker.engine.prompt_logprobs import PromptScoring
 from worker.engine.kv_budget import GROW, KVCacheFacts, KVCacheTooSmall, cdiv, cpu_budget, fit_max_model_len
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.scheduler import ScheduledBatch
@@ -39,11 +41,13 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # batch rows whose chunk reaches the end of their tokens
     sample_tokens: torch.Tensor  # [len(sample_rows)] where those rows' last tokens sit in the batch
+    scoring: PromptScoring | None = None  # prompt positions whose logprobs were asked for
 
     def to(self, device: torch.device) -> BatchInputs:
         to = dict(device=device, non_blocking=True)
         return BatchInputs(self.input_ids.to(**to), self.positions.to(**to), self.meta.to(device),
-                           self.sample_rows, self.sample_tokens.to(**to))
+                           self.sample_rows, self.sample_tokens.to(**to),
+                           self.scoring and self.scoring.to(device))
 
 
 def make_backend(name: str, device: torch.device):
@@ -200,7 +204,9 @@ class ModelRunner:
         """Forward the batch; sample one token for each sequence whose chunk reached its end (or
         the exception sampling raised for that sequence alone)."""
         plan = self._prepare(batch)
-        logits = self.forward(plan) if self.ranks is None else self._forward_on_all_ranks(plan)
+        logits, scores = self.forward(plan) if self.ranks is None else self._forward_on_all_ranks(plan)
+        if scores is not None:
+            prompt_logprobs.collect(batch, plan.scoring, scores)
         if logits is None:
             return []  # only partial prefill chunks: nothing to sample yet
         seqs = [batch[r][0] for r in plan.sample_rows]
@@ -208,7 +214,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, rows)
         return list(zip(seqs, tokens, logprobs))
 
-    def _forward_on_all_ranks(self, plan: BatchInputs) -> torch.Tensor | None:
+    def _forward_on_all_ranks(self, plan: BatchInputs) -> tuple[torch.Tensor | None, tuple | None]:
         """A failure here leaves the ranks out of step (one may wait in a collective the others
         never reach): the group cannot go on, and the worker stops rather than hang."""
         try:
@@ -218,16 +224,20 @@ class ModelRunner:
             self.ranks.abort(f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})")
 
     @torch.inference_mode()
-    def forward(self, plan: BatchInputs) -> torch.Tensor | None:
+    def forward(self, plan: BatchInputs) -> tuple[torch.Tensor | None, tuple | None]:
         """Every rank: the model over the plan; the logits of its sample rows (rank 0's whole), or
-        None when no row samples."""
+        None when no row samples; and the prompt scores the plan asked for (prompt_logprobs.py)."""
         inputs = plan.to(self.device)
         if self._takes_decode_graph(inputs):
-            return self._graph_logits(inputs)
+            return self._graph_logits(inputs), None
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        scores = None
+        if inputs.scoring is not None:
+            scores = prompt_logprobs.score(self.model.compute_logits, hidden, inputs.scoring,
+                                           reduce=self.shard.rank == 0)
         if not inputs.sample_rows:
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_tokens])
+            return None, scores
+        return self.model.compute_logits(hidden[inputs.sample_tokens]), scores
 
     def serve(self) -> None:
         """Ranks 1..N-1: run each plan rank 0 sends, until it sends None."""
@@ -237,7 +247,7 @@ class ModelRunner:
     def _takes_decode_graph(self, inputs: BatchInputs) -> bool:
         """Decode-only, every row samples (so logits row i is batch row i), and a bucket fits."""
         meta = inputs.meta
-        return (self.decode_graphs is not None and meta.is_decode_only
+        return (self.decode_graphs is not None and meta.is_decode_only and inputs.scoring is None
                 and len(inputs.sample_rows) == meta.num_seqs <= self.decode_graphs.max_batch)
 
     def _graph_logits(self, inputs: BatchInputs) -> torch.Tensor:
@@ -272,7 +282,8 @@ class ModelRunner:
             query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
         )
         sample_tokens = query_start[1:][sample_rows] - 1
-        return BatchInputs(torch.tensor(input_ids), positions, meta, sample_rows, sample_tokens.long())
+        return BatchInputs(torch.tensor(input_ids), positions, meta, sample_rows, sample_tokens.long(),
+                           prompt_logprobs.plan_scoring(batch, starts, query_start))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -81,7 +81,7 @@ class Scheduler:
             seq = self.waiting[0]
             if (outranking is not None and seq.params.priority >= outranking) or plan.outranks(seq):
                 break
-            hits = self.pool.match_prefix(seq)
+            hits = self.pool.match_prefix(seq)[:seq.cacheable_tokens() // self.pool.block_size]
             num_cached = len(hits) * self.pool.block_size
             num_new = min(seq.num_tokens - num_cached, plan.budget)
             if not self.pool.allocate(seq, num_new, hits):

@@ -33,6 +33,9 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.detokenizer = None  # set by the engine
         self.constraint = None  # its grammar state (constraint.py), set once the grammar compiled
+        # prompt position -> its logprob while the prompt is scored (choice 0 of a request with
+        # prompt_logprobs, until its first token reports them); None: nothing (more) to score
+        self.prompt_scores: dict | None = {} if index == 0 and params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -50,6 +53,30 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    def scored_span(self, start: int, end: int) -> range:
+        """Positions among [start, end) whose logits score a prompt token (position j scores token
+        j + 1), when this sequence scores its prompt."""
+        if self.prompt_scores is None:
+            return range(0)
+        return range(max(start, self._first_scorer), min(end, self.num_prompt_tokens - 1))
+
+    def cacheable_tokens(self) -> int:
+        """How many leading tokens may come from the prefix cache: a scored prompt needs the logits of
+        every position from prompt_logprobs_start - 1 on, so those are computed, not read."""
+        if self.prompt_scores is None:
+            return self.num_tokens
+        return self._first_scorer
+
+    @property
+    def _first_scorer(self) -> int:
+        """The first position whose logits score a prompt token."""
+        return max((self.params.prompt_logprobs_start or 0) - 1, 0)
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The scores, one per prompt token (None where unscored), once; then scoring is over."""
+        scores, self.prompt_scores = self.prompt_scores, None
+        return None if scores is None else [scores.get(i) for i in range(self.num_prompt_tokens)]
 
     def tokens(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without copying the whole sequence."""

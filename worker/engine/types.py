@@ -13,6 +13,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob), best first
+    rank: int | None = None  # 1 + how many tokens were likelier (prompt logprobs carry it, as vLLM's)
 
 
 @dataclass
@@ -39,6 +40,9 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far for this choice
     error: RequestError | None = None  # set (once per request) when the whole request failed
+    # once, on choice 0's first output of a request that asked: one entry per prompt token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they score
 
 
 @dataclass

@@ -1,0 +1,141 @@
+"""Programs through the gateway (kvgate up on the tiny model): the same results as the in-process
+engine for the same seeds, forks read their shared prefix from the prefix cache, every call counts
+against the program's key, and a key without the model gets its 403 as an exception. Also echo and
+prompt_logprobs on /v1/completions as an OpenAI client sees them."""
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+import pytest
+
+from kvgate.lang import Endpoint, ProgramError, assistant, function, gen, select, user
+from tests.conftest import start_stack, stop_stack
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("programs"), "paged")
+    s.admin_key = (s.state / "admin.key").read_text().strip()
+    yield s
+    stop_stack(s.proc)
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir):
+    from kvgate.lang import Local
+
+    backend = Local(tiny_model_dir)
+    yield backend
+    backend.close()
+
+
+def _key(stack, **fields) -> tuple[str, str]:
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_key}"}) as admin:
+        resp = admin.post("/admin/keys", json={"name": f"prog-{time.monotonic_ns()}", **fields})
+    assert resp.status_code == 201, resp.text
+    return resp.json()["key"]["name"], resp.json()["secret"]
+
+
+@function
+def mixed(s, topic):
+    s += user(f"Tell me about {topic}.")
+    s += assistant(gen("answer", max_tokens=6, seed=3, temperature=0.8))
+    s += " Verdict:"
+    s += select("verdict", [" yes", " no", " maybe so"])
+    s += " Code: "
+    s += gen("code", max_tokens=8, regex="[a-z]{2,5}", seed=5)
+    forks = s.fork(2)
+    forks += gen("more", max_tokens=4, seed=1, temperature=1.0)
+    forks.join()
+    s["more"] = [f["more"] for f in forks]
+
+
+def test_same_program_same_result_on_both_backends(stack, local):
+    endpoint = Endpoint(stack.url, stack.key, "demo")
+    try:
+        for topic in ("rivers", "stones"):
+            remote, here = mixed.run(topic=topic, backend=endpoint), mixed.run(topic=topic, backend=local)
+            assert remote.variables == here.variables and remote.text() == here.text()
+            assert re.fullmatch("[a-z]{2,5}", remote["code"])
+    finally:
+        endpoint.close()
+
+
+@function
+def four_ways(s):
+    s += "A long shared context that every branch reads. " * 12
+    forks = s.fork(4)
+    for i, f in enumerate(forks):
+        f += f"Branch {i}:"
+        f += gen("x", max_tokens=4, seed=i, temperature=1.0)
+    forks.join()
+    s["xs"] = [f["x"] for f in forks]
+
+
+def _hits(stack) -> int:
+    return stack.worker_info()["stats"]["prefix_cache_hits"]
+
+
+def test_fork_of_four_reads_the_shared_prefix_from_the_cache(stack):
+    info = stack.worker_info()
+    block = info["kv_block_size"]
+    before = _settled_hits(stack)
+    s = four_ways.run(backend=Endpoint(stack.url, stack.key, "demo"))
+    assert len(s["xs"]) == 4
+    shared = len(s.text())  # characters; the tiny tokenizer's tokens are at least one each
+    deadline = time.monotonic() + 10
+    while _hits(stack) - before < 3 * block and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # at least three of the four read the context's full blocks (the first computed them)
+    prefix_tokens = _settled_hits(stack) - before
+    assert prefix_tokens >= 3 * block and shared > 0
+
+
+def _settled_hits(stack) -> int:
+    """The counter once two heartbeats in a row agree (the registry is a beat behind)."""
+    last = _hits(stack)
+    while True:
+        time.sleep(1.1)
+        now = _hits(stack)
+        if now == last:
+            return now
+        last = now
+
+
+def test_calls_count_against_the_key_and_a_key_without_the_model_gets_403(stack):
+    name, secret = _key(stack)
+    endpoint = Endpoint(stack.url, secret, "demo")
+    s = mixed.run(topic="keys", backend=endpoint)
+    # gen, select (the state + 3 choices), gen, two forks' gens: 8 requests
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_key}"}) as admin:
+        rows = admin.get("/admin/usage", params={"key": name, "since": "1d"}).json()["rows"]
+    assert sum(r["requests"] for r in rows) == 8 and s["verdict"]
+    _, narrow = _key(stack, models=["other"])
+    with pytest.raises(ProgramError) as err:
+        mixed.run(topic="keys", backend=Endpoint(stack.url, narrow, "demo"))
+    assert err.value.status == 403 and err.value.step == "gen 'answer'" and "demo" in err.value.message
+
+
+def test_echo_and_prompt_logprobs_on_completions(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack.url + "/v1", api_key=stack.key)
+    out = client.completions.create(model="demo", prompt="one two three", max_tokens=2, echo=True,
+                                    logprobs=2, temperature=0)
+    choice = out.choices[0]
+    assert choice.text.startswith("one two three")
+    lps = choice.logprobs
+    n = out.usage.prompt_tokens
+    assert lps.token_logprobs[0] is None and all(v is not None for v in lps.token_logprobs[1:])
+    assert len(lps.tokens) == n + 2 and "".join(lps.tokens[:n]) == "one two three"
+    raw = httpx.post(stack.url + "/v1/completions", headers={"Authorization": f"Bearer {stack.key}"}, json={
+        "model": "demo", "prompt": "one two three", "max_tokens": 1, "prompt_logprobs": 1}).json()
+    scores = raw["choices"][0]["prompt_logprobs"]
+    assert scores[0] is None and len(scores) == n
+    for i, entry in enumerate(scores[1:], start=1):  # the prompt token, and the top one
+        assert pytest.approx(lps.token_logprobs[i]) in [v["logprob"] for v in entry.values()]
+    stream = client.completions.create(model="demo", prompt="one two", max_tokens=3, echo=True, stream=True,
+                                       temperature=0)
+    assert "".join(c.choices[0].text for c in stream).startswith("one two")

@@ -1,0 +1,88 @@
+"""Prompt logprobs are transformers' log-softmax over the prompt positions (fp32), however the prompt
+is chunked or served from the prefix cache, and `prompt_logprobs_start` keeps cache hits before it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.llm import LLM
+from worker.engine.types import EngineRejected, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(build_tiny):
+    return build_tiny("prompt-logprobs")
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def logprobs(prompt: list[int]) -> torch.Tensor:
+        """[len(prompt), vocab]: row j is the distribution of token j + 1."""
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+def check(prompt, scores, ref, k: int, start: int = 0) -> None:
+    assert len(scores) == len(prompt) and scores[0] is None
+    for i in range(1, len(prompt)):
+        if i < start:
+            assert scores[i] is None
+            continue
+        s, row = scores[i], ref[i - 1]
+        assert s.token_id == prompt[i]
+        assert s.logprob == pytest.approx(row[prompt[i]].item(), abs=1e-4)
+        assert s.rank == int((row > row[prompt[i]]).sum()) + 1
+        assert [t for t, _ in s.top] == row.topk(k).indices.tolist()
+        assert [v for _, v in s.top] == pytest.approx(row.topk(k).values.tolist(), abs=1e-4)
+
+
+def test_token_exact_whole_prompt_chunked_and_cached(model_dir, reference, random_prompts):
+    prompts = random_prompts(4, 20, 60, seed=3)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=24, dtype="float32")
+    for _ in range(2):  # the second time every block is cached: scoring still recomputes them
+        for prompt, result in zip(prompts, llm.generate(prompts, params)):
+            check(prompt, result.prompt_logprobs, reference(prompt), 3)
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
+def test_start_keeps_the_cache_hits_before_it(model_dir, reference, random_prompts):
+    state = random_prompts(1, 40, 40, seed=5)[0]
+    llm = LLM(model_dir, block_size=8, dtype="float32")
+    llm.generate([state], SamplingParams(max_tokens=1, temperature=0))
+    hits = llm.engine.pool.num_hits
+    choice = state + [11, 12, 13]
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0, prompt_logprobs_start=len(state))
+    (result,) = llm.generate([choice], params)
+    check(choice, result.prompt_logprobs, reference(choice), 0, start=len(state))
+    assert llm.engine.pool.num_hits - hits == 32  # the blocks ending before position 39: 4 of 8
+
+
+def test_other_choices_and_plain_requests_carry_none(model_dir, random_prompts):
+    llm = LLM(model_dir)
+    prompt = random_prompts(1, 10, 10)[0]
+    (scored,) = llm.generate([prompt], SamplingParams(max_tokens=2, n=2, prompt_logprobs=1, seed=1))
+    (plain,) = llm.generate([prompt], SamplingParams(max_tokens=2))
+    assert len(scored.prompt_logprobs) == len(prompt) and plain.prompt_logprobs is None
+
+
+def test_out_of_range_is_refused(model_dir):
+    llm = LLM(model_dir)
+    with pytest.raises(EngineRejected, match="prompt_logprobs must be between 0 and"):
+        llm.generate([[5, 6]], SamplingParams(prompt_logprobs=10**9))
+    with pytest.raises(EngineRejected, match="prompt_logprobs_start must be 0 or more"):
+        llm.generate([[5, 6]], SamplingParams(prompt_logprobs=1, prompt_logprobs_start=-1))
+
+
+def test_tensor_parallel_scores_on_rank_zero(model_dir, reference, random_prompts):
+    prompts = random_prompts(2, 20, 30, seed=9)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)
+    with LLM(model_dir, tensor_parallel_size=2, dtype="float32", block_size=8) as tp2:
+        for prompt, result in zip(prompts, tp2.generate(prompts, params)):
+            check(prompt, result.prompt_logprobs, reference(prompt), 2)
