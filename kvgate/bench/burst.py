@@ -228,7 +228,11 @@ def start_stack(out_dir: Path, model: str | None, engine: str, env: dict):
     from kvgate.up import default_model_dir
 
     procs = Processes(out_dir)
-    return procs, procs.kvgate("stack", Path(model) if model else default_model_dir(), engine, env)
+    try:
+        return procs, procs.kvgate("stack", Path(model) if model else default_model_dir(), engine, env)
+    except BaseException:  # a stack that came up too late is still running: stop it
+        procs.stop_all()
+        raise
 
 
 def stack_env(stream_depth: int) -> dict:
