@@ -260,11 +260,12 @@ def plot_burst(outcomes: list[Outcome], spans: dict, folder: Path) -> list[Path]
         ax.scatter(shed, [1.0] * len(shed), s=6, marker="x", color="red", label="shed (429/503)")
     for i, (name, (lo, hi)) in enumerate(spans.items()):
         ax.axvspan(lo, hi, alpha=0.08 * (i % 2 + 1), color="grey")
-        ax.text((lo + hi) / 2, 1.02, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+        ax.text((lo + hi) / 2, 0.97, name, transform=ax.get_xaxis_transform(), ha="center", va="top",
+                fontsize=8)
     ax.set_yscale("log")
     ax.set(xlabel="request start (s)", ylabel="TTFT (ms, log)", title="burst: TTFT over time")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="lower left")
     paths = [_save(fig, folder / "burst_ttft.png")]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     figures = {name: phase_figures(outcomes, name) for name in spans}
