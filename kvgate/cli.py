@@ -263,6 +263,12 @@ from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving
 
 bench.add_command(serve_command, "serve")
 
+from kvgate.bench.burst import burst_command  # noqa: E402  (drills: overload shed cleanly)
+from kvgate.bench.soak import soak_command  # noqa: E402  (drills: nothing grows under steady load)
+
+bench.add_command(burst_command, "burst")
+bench.add_command(soak_command, "soak")
+
 
 @bench.command("sampler")
 @click.option("--reps", default=5, show_default=True, help="Timed calls per figure (median)")
