@@ -216,7 +216,6 @@ def test_interactive_ttft_holds_while_a_batch_runs_and_a_cancel_leaves_it_consis
     start, before = time.monotonic(), client.batches.retrieve(batch.id).request_counts.completed
     busy = [_ttft_ms(http) for _ in range(15)]
     running = client.batches.retrieve(batch.id)
-    aborted_before = stack.worker_info()["requests_aborted"]
 
     busy_rate = (running.request_counts.completed - before) / (time.monotonic() - start)
     assert running.status == "in_progress" and running.request_counts.completed < num_lines
@@ -241,8 +240,10 @@ def test_interactive_ttft_holds_while_a_batch_runs_and_a_cancel_leaves_it_consis
     assert client.batches.retrieve(batch.id).request_counts == counts  # nothing lands afterwards
     info = stack.worker_info()
     assert info["active"] == 0
-    if max_tokens > 2:  # a two-token line is done before its cancel could reach the worker
-        assert info["requests_aborted"] > aborted_before  # in-flight lines stopped
+    # (no count of aborted lines: the runner holds its lines back while the interactive probes run,
+    # so at the cancel none may be in flight; the probes, streams, are not cancelled when they leave,
+    # since a resume may come within KVGATE_RESUME_GRACE_S; the worker idle, nothing landing after
+    # the cancel and the empty batch stream are what a consistent cancel leaves)
     r = redis.Redis.from_url(stack.redis_url)
     assert r.xlen(names.request_stream("demo", "v1", names.BATCH_LANE)) == 0
     r.close()
