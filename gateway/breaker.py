@@ -74,6 +74,38 @@ return 'closed'
 """
 
 
+# ADMIT as a part of a bigger script of the version's `{m:}` slot (gateway/dispatch.py's bounded
+# XADD): reads the state hash `gate_key` and sets the host's locals `verdict` ('go', 'probe' or
+# 'refused'), `gate_wait` (ms), `entered` and `gate_now`; writes nothing (`GATE_GRANT` does, once
+# the rest may go on). Its decisions are ADMIT's, line for line.
+GATE = """
+do
+  local t = redis.call('TIME') local now = t[1] * 1000 + math.floor(t[2] / 1000)
+  local s = redis.call('HMGET', gate_key, 'state', 'until', 'probe_until')
+  if s[1] == 'open' and now < tonumber(s[2]) then verdict, gate_wait = 'refused', tonumber(s[2]) - now
+  elseif s[1] == 'open' then verdict, entered = 'probe', 'half_open'
+  elseif s[1] and now < tonumber(s[3]) then verdict, gate_wait = 'refused', tonumber(s[3]) - now
+  elseif s[1] then verdict = 'probe' end
+  gate_now = now
+end
+"""
+# ARGV of its script: probe hold ms (gate_hold), probe token (gate_token)
+GATE_GRANT = """
+if verdict == 'probe' then
+  redis.call('HSET', gate_key, 'state', 'half_open', 'probe', gate_token, 'probe_until', gate_now + gate_hold)
+end
+"""
+
+
+class Refused(Exception):
+    """The version's breaker refused a request at its XADD (nothing was queued): the router says
+    where it goes instead (`Router.past_breaker`), or the refusal stands."""
+
+    def __init__(self, wait_s: float):
+        super().__init__(f"circuit open for {wait_s:g} s")
+        self.wait_s = wait_s
+
+
 @dataclass(frozen=True)
 class Pass:
     """Whether a request may go to a version now, and if it is that version's probe, its token."""
@@ -101,7 +133,7 @@ class Breaker:
         token = secrets.token_hex(8)
         verdict, wait_ms, entered = await self._admit(keys=[names.breaker_state(model, version)],
                                                       args=[self.open_ms, token])
-        self._moved(model, version, entered)
+        self.moved(model, version, entered)
         if verdict == b"refused":
             return Pass(False, wait_s=int(wait_ms) / 1000)
         return Pass(True, token if verdict == b"probe" else None)
@@ -120,11 +152,11 @@ class Breaker:
         entered = await self._failed(keys=self._keys(model, version),
                                      args=[self.failures, self.window_ms, self.open_ms, probe or "",
                                            secrets.token_hex(8), STATE_TTL_MS])
-        self._moved(model, version, entered)
+        self.moved(model, version, entered)
 
     async def succeeded(self, model: str, version: str, probe: str) -> None:
         """The probe got its first token: the version serves again."""
-        self._moved(model, version, await self._succeeded(keys=self._keys(model, version), args=[probe]))
+        self.moved(model, version, await self._succeeded(keys=self._keys(model, version), args=[probe]))
 
     async def closed(self, model: str, version: str) -> bool:
         return not self.enabled or not await self.redis.exists(names.breaker_state(model, version))
@@ -142,7 +174,7 @@ class Breaker:
         return [names.breaker_state(model, version), names.breaker_failures(model, version)]
 
     @staticmethod
-    def _moved(model: str, version: str, entered: bytes | str) -> None:
+    def moved(model: str, version: str, entered: bytes | str) -> None:
         to = entered.decode() if isinstance(entered, bytes) else entered
         if to:
             TRANSITIONS.labels(model, version, to).inc()

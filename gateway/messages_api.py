@@ -10,14 +10,15 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Request
 
-from gateway import answer_io
-from gateway.admission import Admitted, admit
+from gateway import answer_io, resume
+from gateway.admission import Admitted, Lease, admit
 from gateway.answer_items import Items
 from gateway.deps import StateDep
 from gateway.messages_render import MessageRender
 from gateway.messages_schemas import CountTokensRequest, MessagesRequest
-from gateway.openai_api import Call, open_answer
+from gateway.openai_api import Answer, Call, open_answer, resume_request
 from gateway.routing import version_header
+from gateway.state import GatewayState
 from shared import protocol
 from shared.errors import KvgateError
 
@@ -33,13 +34,25 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(admit), Depends(_anthropi
 
 @router.post("/messages", dependencies=[Depends(version_header)])
 async def create_message(body: MessagesRequest, request: Request, lease: Admitted, state: StateDep):
-    chat = answer_io.chat_request(body.chat())
-    answer = await open_answer(request, state, lease, Call.chat(chat))
+    if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)
+        return await resume_request(request, state, lease, API)
+    call = Call.chat(answer_io.chat_request(body.chat()))
+    answer = await open_answer(request, state, lease, call)
     items = Items(answer.shape.output(0), stops=list(body.stop_sequences or ()))
     render = MessageRender("msg_" + answer.handle.request_id.removeprefix("chatcmpl-"), body.model, items)
     if body.stream:
-        return await answer_io.stream(request, lease, answer, state.settings.admission_wait_s, render)
+        return await answer_io.stream(request, state, lease, answer, call, API, render)
     return await answer_io.whole(request, lease, answer, render)
+
+
+async def _resumed(state: GatewayState, lease: Lease, answer: Answer, spec: dict, after: int):
+    """A Messages stream rebuilt at this gateway from what its render's spec kept."""
+    render = MessageRender(spec["id"], spec["model"], Items(answer.shape.output(0), stops=spec["stops"]))
+    return answer_io.resumed(answer, lease, render, after)
+
+
+API = "messages"
+resume.RENDERS[API] = _resumed
 
 
 @router.post("/messages/count_tokens", dependencies=[Depends(version_header)])

@@ -27,6 +27,10 @@ class MessageRender:
         self.id, self.model, self.items = message_id, model, items
         self.usage = {"input_tokens": 0, "output_tokens": 0}  # the prompt is counted by the worker
 
+    def spec(self) -> dict[str, Any]:
+        """What rebuilds it at another gateway for a resumed stream (gateway/messages_api.py)."""
+        return {"id": self.id, "model": self.model, "stops": self.items.stops}
+
     def _stop_reason(self) -> str | None:
         if self.items.stop_sequence is not None:
             return "stop_sequence"

@@ -8,15 +8,16 @@ import logging
 
 from fastapi import APIRouter, Depends, Request
 
-from gateway import answer_io
+from gateway import answer_io, resume
 from gateway.admission import Admitted, Lease, admit
 from gateway.answer_items import Items
 from gateway.deps import StateDep
-from gateway.openai_api import Call, open_answer
+from gateway.openai_api import Answer, Call, open_answer, resume_request
 from gateway.responses_render import ResponseRender
 from gateway.responses_schemas import ResponsesRequest
 from gateway.responses_store import ResponseStore
 from gateway.routing import version_header
+from gateway.state import GatewayState
 from shared.errors import NotFound, QuotaExceeded
 
 log = logging.getLogger("kvgate.gateway")
@@ -35,6 +36,8 @@ def _not_found(response_id: str) -> NotFound:
 @router.post("/responses", dependencies=[Depends(version_header)])
 async def create_response(body: ResponsesRequest, request: Request, lease: Admitted, state: StateDep,
                           store: ResponseStore = Depends(_store)):
+    if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)
+        return await resume_request(request, state, lease, API)
     body.refuse_unserved()
     earlier = await _earlier(store, lease, body.previous_response_id)
     if body.store:
@@ -45,10 +48,32 @@ async def create_response(body: ResponsesRequest, request: Request, lease: Admit
     render = ResponseRender(body, "resp_" + answer.handle.request_id.removeprefix("chatcmpl-"),
                             Items(answer.shape.output(0)), None)
     if body.store:
+        render.conversation = conversation
         render.store = _keeper(store, lease, conversation, render)
     if body.stream:
-        return await answer_io.stream(request, lease, answer, state.settings.admission_wait_s, render)
+        return await answer_io.stream(request, state, lease, answer, call, API, render)
     return await answer_io.whole(request, lease, answer, render)
+
+
+async def _resumed(state: GatewayState, lease: Lease, answer: Answer, spec: dict, after: int):
+    """A Responses stream rebuilt at this gateway from what its render's spec kept; it keeps the
+    response (store) if no gateway has yet: the one that streamed it may have died first."""
+    body = ResponsesRequest.model_validate(spec["body"])
+    render = ResponseRender(body, spec["id"], Items(answer.shape.output(0)), None)
+    render.created = spec["created"]
+    if spec.get("conversation") is not None:
+        store = _store(state)
+        keep = _keeper(store, lease, spec["conversation"], render)
+
+        async def keep_once(response: dict) -> None:
+            if await store.get(lease.key.id, response["id"]) is None:
+                await keep(response)
+        render.store = keep_once
+    return answer_io.resumed(answer, lease, render, after)
+
+
+API = "responses"
+resume.RENDERS[API] = _resumed
 
 
 @router.get("/responses/{response_id}")

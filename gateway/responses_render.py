@@ -3,7 +3,7 @@ items: reasoning, message, function_call), and while streaming the typed events 
 client parses, each with its `sequence_number`."""
 from __future__ import annotations
 
-import secrets
+import hashlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -26,7 +26,7 @@ class ResponseRender:
         self.stored = body.store  # False once keeping it failed: the client is told so
         self.status, self.usage, self.error_body = "in_progress", None, None
         self.seq = 0
-        self.ids: dict[int, str] = {}  # item index -> its id (rs_, msg_, fc_)
+        self.conversation: list[dict] | None = None  # what `store` keeps with it, when it does
 
     # -- the response object ------------------------------------------------------------------
     def result(self) -> dict[str, Any]:
@@ -48,9 +48,17 @@ class ResponseRender:
             "top_p": body.top_p if body.top_p is not None else 1.0, "truncation": "disabled",
             "usage": self.usage, "user": body.user}
 
+    def spec(self) -> dict[str, Any]:
+        """What rebuilds it at another gateway for a resumed stream (gateway/responses_api.py)."""
+        return {"id": self.id, "created": self.created, "conversation": self.conversation,
+                "body": self.body.model_dump(mode="json", by_alias=True, exclude_unset=True)}
+
     def _item_id(self, item: Item) -> str:
+        """The same at every gateway that renders this response (a resumed stream names the items
+        the client already saw as it saw them)."""
         prefix = {"reasoning": "rs", "text": "msg", "call": "fc"}[item.kind]
-        return self.ids.setdefault(item.index, f"{prefix}_{secrets.token_hex(12)}")
+        digest = hashlib.blake2b(f"{self.id}:{item.index}".encode(), digest_size=12).hexdigest()
+        return f"{prefix}_{digest}"
 
     def _item(self, item: Item, done: bool = True) -> dict[str, Any]:
         status = "completed" if done else "in_progress"
@@ -84,7 +92,7 @@ class ResponseRender:
                 self._event("response.in_progress", response=self.result())]
 
     def keepalive(self) -> bytes:
-        return b": keep-alive\n\n"
+        return b": keep-alive\n"  # no blank line: after an `id:` the openai client reads one as an event
 
     def delta(self, reply: protocol.Delta) -> list[bytes]:
         return [out for event in self.items.feed(reply) for out in self._write(event)]

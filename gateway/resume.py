@@ -10,6 +10,7 @@ response's shape (kind, model, choices, created, tool-call reading) and its dead
 """
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import TypeAdapter
@@ -20,6 +21,9 @@ from shared import tool_parsers
 from shared.errors import InvalidRequest
 
 HEADER = "last-event-id"
+# another API's way of sending a resumed stream: name -> async (state, lease, answer, its render's
+# spec, after) -> response; registered by the API's module (gateway/messages_api.py, responses_api.py)
+RENDERS: dict[str, Callable[..., Awaitable[Any]]] = {}
 _tools = TypeAdapter(list[Tool])
 _choice = TypeAdapter(ToolChoice)
 
@@ -42,9 +46,12 @@ def point(value: str | None) -> tuple[str, int] | None:
 
 def shape_spec(kind: str, model: str, n: int, created: int, include_usage: bool,
                tools: list[Tool] | None = None, choice: Any = None, parallel: bool = True,
-               parser: str | None = None) -> dict:
-    """What rebuilds a stream's response shape at another gateway (JSON)."""
+               parser: str | None = None, echo: dict | None = None) -> dict:
+    """What rebuilds a stream's response shape at another gateway (JSON). `echo`: a completion's
+    echo of its prompt (text, logprobs, vLLM's field), so a stream resumed before a choice's first
+    chunk still starts with the prompt."""
     return {"kind": kind, "model": model, "n": n, "created": created, "include_usage": include_usage,
+            "echo": echo,
             "tools": [t.model_dump(exclude_none=True) for t in tools] if tools else None,
             "choice": choice.model_dump() if hasattr(choice, "model_dump") else choice,
             "parallel": parallel, "parser": parser if parser in tool_parsers.PARSERS else None}

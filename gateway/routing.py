@@ -132,8 +132,11 @@ class Router:
     async def live_versions(self, alias: str) -> set[str]:
         return {w["version"] for w in await self.live_workers(alias)}
 
-    async def choose(self, alias: str, key: KeyRecord, forced: str | None = None) -> Outcome:
-        """The version for this request, as the Outcome that will record how it went."""
+    async def choose(self, alias: str, key: KeyRecord, forced: str | None = None,
+                     through_breaker: bool = True) -> Outcome:
+        """The version for this request, as the Outcome that will record how it went.
+        `through_breaker` False: its breaker is passed at the XADD (gateway/dispatch.py), in the
+        same round trip, and `past_breaker` says where a refused request goes."""
         route = await self.route_of(alias)
         if forced is not None:
             version = await self._forced(alias, key, forced)
@@ -141,8 +144,17 @@ class Router:
             version = await self.registry.route(alias)
         else:
             version = await self._failover(route, assign(route, key.id, key.canary_cohort))
-        version, probe = await self._through_breaker(alias, version, route if forced is None else None)
+        probe = None
+        if through_breaker:
+            version, probe = await self._through_breaker(alias, version, route if forced is None else None)
         return Outcome(alias, version, route.thresholds.window_s if route else None, probe=probe)
+
+    async def past_breaker(self, outcome: Outcome, forced: bool) -> Outcome:
+        """After the breaker of `outcome.version` refused it at its XADD: the route's stable
+        version for a canary's request (if its breaker lets it through), else the 503."""
+        route = None if forced else await self.route_of(outcome.alias)
+        version, probe = await self._through_breaker(outcome.alias, outcome.version, route)
+        return Outcome(outcome.alias, version, outcome.window_s, probe=probe)
 
     async def _through_breaker(self, alias: str, version: str, route: Route | None) -> tuple[str, str | None]:
         """The version (and probe token) once its breaker has had its say: an open one's canary

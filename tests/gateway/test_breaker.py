@@ -199,3 +199,34 @@ def test_both_keys_carry_the_model_s_tag(model):
     """Both keys of a version share its model's slot, so each step is one script on a cluster."""
     assert names.model_tag(model) in names.breaker_state(model, "v1")
     assert names.model_tag(model) in names.breaker_failures(model, "v1")
+
+
+async def test_the_xadd_passes_the_breaker_in_its_round_trip(clients, model):
+    """`submit(gate=True)`: the bounded XADD decides as ADMIT does: an open breaker refuses and
+    queues nothing; after OPEN_S one request is the probe (its token on the handle) and the rest
+    are refused while it runs; a full stream grants no probe."""
+    from gateway.breaker import Refused
+
+    a, b = _gateways(clients)
+    d = Dispatcher(clients[0], "brk-gate", max_stream_depth=2, breaker=a)
+    await d.start()
+    stream = names.request_stream(model, "v1")
+    try:
+        assert (await d.submit(stream, _entry(model, "cmpl-g0"), gate=True)).probe is None  # closed
+        await _open(b, model)
+        with pytest.raises(Refused) as refused:
+            await d.submit(stream, _entry(model, "cmpl-g1"), gate=True)
+        assert 0 < refused.value.wait_s <= OPEN_S and await clients[0].xlen(stream) == 1
+        assert "cmpl-g1" not in d.queues
+        await asyncio.sleep(OPEN_S + 0.05)
+        probe = await d.submit(stream, _entry(model, "cmpl-g2"), gate=True)
+        assert probe.probe and await _state(b, model) == HALF_OPEN
+        with pytest.raises(Refused):  # one probe at a time, whichever gateway asks
+            await d.submit(stream, _entry(model, "cmpl-g3"), gate=True)
+        await b.failed(model, "v1", probe.probe)  # the probe failed: open again
+        await asyncio.sleep(OPEN_S + 0.05)
+        with pytest.raises(Overloaded):  # the stream is at its depth (2): no probe is granted
+            await d.submit(stream, _entry(model, "cmpl-g4"), gate=True)
+        assert await _state(b, model) == OPEN
+    finally:
+        await d.stop()

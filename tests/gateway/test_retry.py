@@ -90,3 +90,18 @@ async def test_never_after_the_first_token_nor_for_the_request_s_own_fault(dispa
     got = await _run(dispatcher, bad_input, [(_error(1, "invalid_request"),)])
     assert isinstance(got, InvalidRequest) and bad_input.retries == 0
     assert await dispatcher.redis.xlen(STREAM) == 2  # neither was queued again
+
+
+async def test_a_retry_moved_to_another_version_is_named_by_the_handle(dispatcher):
+    """A canary's failure is retried on its stable version: the answer's version header and the
+    usage follow the handle's version (gateway/client_wait.py `named`, Lease.holdings)."""
+    async def to_stable(model, version):
+        return "v0", None
+    dispatcher.retarget = to_stable
+    handle = await dispatcher.submit(STREAM, _entry("cmpl-e"))
+    assert handle.version == "v1"
+    done = protocol.Done(request_id="", seq=2, prompt_tokens=1, completion_tokens=0)
+    got = await _run(dispatcher, handle, [(_error(1),), (protocol.Delta(request_id="", seq=1), done)])
+    assert isinstance(got, list) and isinstance(got[-1], protocol.Done), got
+    assert handle.version == "v0" and handle.request_id == "cmpl-e-r1"
+    assert await dispatcher.redis.xlen(names.request_stream("demo", "v0")) == 1

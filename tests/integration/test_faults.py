@@ -134,7 +134,9 @@ def _client(n: int) -> httpx.AsyncClient:
 
 def test_worker_killed_mid_stream_its_requests_resume_on_the_other(cluster):
     cluster.start_gateway()
-    victim = cluster.start_worker("w-victim", "--max-num-seqs", "25")  # takes half of the 50
+    # takes half of the 50: FIFO reads only its room, so the other 25 stay in the stream for the
+    # survivor (the fair order's look-ahead would hold them here); the survivor claims in fair order
+    victim = cluster.start_worker("w-victim", "--max-num-seqs", "25", KVGATE_FAIR_ORDER="false")
     n, max_tokens = 50, 120
     chunks = [0]
 

@@ -218,8 +218,9 @@ def _text_upto(seen: Seen, last_id: str) -> str:
 def test_a_client_that_leaves_can_come_back_within_the_grace_and_one_that_does_not_is_settled(two_gateways):
     cluster, (_, url1), url2 = two_gateways
     key = _create_key(url2, "leaver", max_concurrent=5)
-    other = _create_key(url2, "other")
+    other, echoer = _create_key(url2, "other"), _create_key(url2, "echoer")
     key_id = cluster.client.hget(names.KEY_NAMES, "leaver").decode()
+    echoed = {**_body(2, 20), "echo": True}
     body, long = _body(1, 150), _body(1, 1000)  # the one that never comes back runs ~20 s
 
     async def scenario():
@@ -233,9 +234,17 @@ def test_a_client_that_leaves_can_come_back_within_the_grace_and_one_that_does_n
             await read_sse(client, "GET", f"{url2}/v1/streams/{rid}", other, stranger, last_id=back.last_id)
             await read_sse(client, "POST", url2 + "/v1/completions", key, bad, body, last_id="nonsense")
             await read_sse(client, "POST", url2 + "/v1/completions", key, back, body, back.last_id)
-            return back, gone, stranger, bad
+            # an echoed completion resumed from before its first chunk still starts with its prompt
+            # (the echo travels in the stream's lease: the other gateway never saw the request)
+            first, again = Seen(), Seen()
+            await read_sse(client, "POST", url1 + "/v1/completions", echoer, first, echoed, stop_after=1)
+            erid = first.last_id.rpartition(":")[0]
+            await read_sse(client, "GET", f"{url2}/v1/streams/{erid}", echoer, again, last_id=f"{erid}:0")
+            return back, gone, stranger, bad, first, again
 
-    back, gone, stranger, bad = asyncio.run(scenario())
+    back, gone, stranger, bad, first, again = asyncio.run(scenario())
+    assert first.text().startswith(echoed["prompt"]) and again.done, (first.text(), again.status)
+    assert again.events[0] == first.events[0] and len(again.text()) > len(first.text())
     assert stranger.status == 404 and stranger.error["code"] == "stream_not_found"
     assert bad.status == 400 and bad.error["param"] == "Last-Event-ID"
     assert back.done and back.error is None and back.usage()["completion_tokens"] == 150
@@ -290,11 +299,14 @@ def test_a_canary_failing_before_its_first_token_is_retried_on_stable_and_charge
         assert all(s.status == 200 and s.done and s.error is None for s in seen), [s.error for s in seen]
         assert all(s.usage()["completion_tokens"] == 12 for s in seen)
         assert whole.status_code == 200 and whole.json()["usage"]["completion_tokens"] == 12
+        assert whole.headers["x-kvgate-version"] == "v1"  # the version that answered
         _wait_for(lambda: cluster.info("w1")["requests_finished"] == 7)  # all served by stable
         _wait_for(lambda: _usage(cluster, key_id).get("requests", 0) >= 7)
         time.sleep(0.3)
         usage = _usage(cluster, key_id)
         assert usage["requests"] == 7 and "errors" not in usage and usage["completion_tokens"] == 7 * 12
+        fields = cluster.client.hkeys(names.usage_key(key_id, utc_day()))
+        assert {f.decode().split("|")[1] for f in fields} == {"v1"}, fields  # usage where it was served
         page = httpx.get(cluster.url + "/metrics").text
         assert 'kvgate_gateway_retries_total{code="engine_error",model="demo",version="v2"} 7.0' in page
     finally:
