@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -49,6 +49,20 @@ WireParams = _wire_params()
 ENTRY_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.metadata.get(ON_ENTRY))
 
 
+# v5: kinds a worker answers from its tokenizer alone (vLLM's /tokenize, /detokenize): never run
+TOKENIZER_KINDS = ("tokenize", "detokenize")
+
+
+class RenderOptions(BaseModel):
+    """v5: how a tokenize entry's prompt or messages become ids, with vLLM's defaults for a prompt
+    (a chat's add_special_tokens is False: its template places BOS itself)."""
+
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+
 class RequestEntry(BaseModel):
     v: int = SCHEMA_VERSION
     type: Literal["request"] = "request"
@@ -56,17 +70,19 @@ class RequestEntry(BaseModel):
     reply_channel: str
     model: str
     version: str
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "tokenize", "detokenize"]
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None  # a message may carry tool_calls / tool_call_id
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, given to the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # a detokenize entry's tokens
+    render: RenderOptions | None = None  # v5: a tokenize entry's options
     params: WireParams = Field(default_factory=WireParams)
     created: float
     deadline: float
     priority: int = 0
     key_id: str | None = None
+    weight: float = Field(1.0, gt=0)  # the key's share under the worker's fair order (worker/fairness.py)
     cache_salt: str | None = None
     trace: dict[str, str] = Field(default_factory=dict)
 
@@ -92,6 +108,7 @@ class Delta(BaseModel):
     logprobs: list[dict[str, Any]] | None = None
     # v4: on a request's first delta of choice 0, one entry per prompt token (logprob None: unscored)
     prompt_logprobs: list[dict[str, Any]] | None = None
+    token_strs: list[str] | None = None  # v5: a tokenize answer's tokens as its tokenizer spells them
     finish_reason: str | None = None
 
 
@@ -133,18 +150,20 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     2: {"error": frozenset({"retryable"})},
     3: {"request": frozenset({"tools", "chat_template_kwargs"}), "delta": frozenset({"reasoning"})},
     4: {"delta": frozenset({"prompt_logprobs"})},
+    5: {"request": frozenset({"render", "weight"}), "delta": frozenset({"token_strs"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
 NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
-                         "prompt_logprobs": 4}
+                         "prompt_logprobs": 4, "tokenize": 5}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
     """The features `entry` uses that a peer speaking `version` would not honour."""
     used = {"tools": entry.tools, "chat_template_kwargs": entry.chat_template_kwargs,
             "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias,
-            "prompt_logprobs": entry.params.prompt_logprobs is not None}
+            "prompt_logprobs": entry.params.prompt_logprobs is not None,
+            "tokenize": entry.kind in TOKENIZER_KINDS}  # an older worker cannot read the kind
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

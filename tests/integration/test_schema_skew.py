@@ -32,11 +32,17 @@ class ProtocolPeer(threading.Thread):
         self.client.xgroup_create(self.stream, names.CONSUMER_GROUP, id="0", mkstream=True)
         self._register()
 
-    def _register(self) -> None:
+    def _info(self) -> dict:
+        """What this worker registers, written in one SET (a gateway reading between two writes
+        would see half of it)."""
         info = {"worker_id": "peer", "served_name": MODEL, "version": VERSION, "ts": time.time(),
                 "max_model_len": 64}
         if self.advertise:
             info["schema"] = self.speaks
+        return info
+
+    def _register(self) -> None:
+        info = self._info()
         self.client.set(names.worker_key("peer"), orjson.dumps(info), ex=10)
         self.client.zadd(names.WORKERS_ZSET, {"peer": time.time() + 10})
         self.client.hset(names.model_versions_key(MODEL), VERSION, b"{}")
@@ -116,3 +122,14 @@ def test_replies_of_a_schema_this_gateway_does_not_speak_end_the_request_at_once
     err = resp.json()["error"]
     assert err["code"] == "unsupported_schema" and "schema" in err["message"]
     assert peer.entries[0]["v"] == protocol.SCHEMA_VERSION  # it advertised a newer one: ours is written
+
+
+def test_tokenize_is_never_sent_to_a_worker_of_schema_4_or_older(cluster):
+    cluster.start_gateway()
+    peer = _peer(cluster, speaks=4, advertise=True)
+    for path, body in (("/tokenize", {"model": MODEL, "prompt": "hi"}),
+                       ("/detokenize", {"model": MODEL, "tokens": [5, 6]})):
+        resp = httpx.post(cluster.url + path, json=body, headers=HEADERS, timeout=30)
+        assert resp.status_code == 503 and resp.headers["Retry-After"], resp.text
+        assert resp.json()["error"]["code"] == "upgrade_in_progress"
+    assert peer.entries == []  # nothing it could not read was queued

@@ -86,3 +86,25 @@ def test_schema_3_features_are_dropped_for_a_schema_2_peer_and_named_as_missing(
     delta = protocol.Delta(request_id="r", seq=1, text="a", reasoning="thinking")
     assert "reasoning" not in orjson.loads(protocol.encode(delta, version=2))
     assert protocol.decode_reply(protocol.encode(delta)).reasoning == "thinking"
+
+
+def test_tokenizer_kinds_are_schema_5_and_never_sent_to_an_older_worker():
+    entry = _entry(kind="tokenize", messages=None, prompt="hi",
+                   render=protocol.RenderOptions(add_special_tokens=False, return_token_strs=True))
+    assert protocol.decode_entry(protocol.encode(entry)) == entry
+    assert protocol.missing_features(entry, 4) == ["tokenize"] and protocol.missing_features(entry, 5) == []
+    detok = _entry(kind="detokenize", messages=None, prompt_token_ids=[1, 2])
+    assert protocol.missing_features(detok, 4) == ["tokenize"]
+    assert "render" not in orjson.loads(protocol.encode(entry, version=4))
+    delta = protocol.Delta(request_id="r", seq=1, token_ids=[1], token_strs=["▁a"])
+    assert protocol.decode_reply(protocol.encode(delta)) == delta
+    assert "token_strs" not in orjson.loads(protocol.encode(delta, version=4))
+
+
+def test_the_key_weight_travels_and_an_older_peer_is_not_sent_it():
+    entry = _entry(key_id="key_1", weight=2.5)
+    assert protocol.decode_entry(protocol.encode(entry)).weight == 2.5
+    assert b"weight" not in protocol.encode(entry, version=4)
+    assert protocol.decode_entry(protocol.encode(entry, version=4)).weight == 1.0  # the default
+    with pytest.raises(ValueError):
+        _entry(weight=0)

@@ -45,9 +45,11 @@ RESERVED_KWARGS = frozenset({
 
 
 def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None,
-                chat_template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of `messages` in the folder's chat template, ending where the assistant speaks;
-    `tools` and `chat_template_kwargs` (e.g. enable_thinking) are the template's to use.
+                chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+    """Token ids of `messages` in the folder's chat template, ending where the assistant speaks
+    (or, for /tokenize, as its options say); `tools` and `chat_template_kwargs` (e.g.
+    enable_thinking) are the template's to use.
 
     A real model's template refuses messages it does not like by raising (jinja2's TemplateError
     through its `raise_exception`, or a TypeError on an odd shape): that is the request's fault,
@@ -59,11 +61,12 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     messages = [_template_message(m, i) for i, m in enumerate(messages)]
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                             add_generation_prompt=True, **extra)
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **extra)
     except Exception as exc:  # the template is fixed, so whatever it raises, the messages caused
         raise EngineRejected(f"the model's chat template refused these messages: "
                              f"{str(exc) or type(exc).__name__}", "invalid_request", "messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=False))  # the template placed BOS itself
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # the template placed BOS
 
 
 def _template_message(message: dict, position: int) -> dict:
@@ -93,6 +96,21 @@ def marker_ids(tokenizer, markers: tuple[str, ...]) -> list[int] | None:
     return [i[0] for i in ids] if all(len(i) == 1 for i in ids) else None
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
+def encode_prompt(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """Ids of a completion prompt, with the tokenizer's own BOS handling (as vLLM does)."""
-    return list(tokenizer.encode(text, add_special_tokens=True))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def decode_ids(tokenizer, ids: list[int], max_len: int) -> str:
+    """/detokenize's text: every id as it is, special tokens included (as vLLM's); at most a
+    context's worth, and an id the tokenizer does not know is refused by name, not decoded as
+    nothing (the gateway checks both first; this is for entries that did not come through it)."""
+    if len(ids) > max_len:
+        raise EngineRejected(f"{len(ids)} tokens to detokenize; at most the model's context, "
+                             f"{max_len}", "invalid_request", "tokens")
+    known = len(tokenizer)
+    for position, token in enumerate(ids):
+        if not 0 <= token < known:
+            raise EngineRejected(f"token id {token} at position {position} is outside this model's "
+                                 f"tokenizer [0, {known})", "invalid_request", "tokens")
+    return tokenizer.decode(ids)
