@@ -100,6 +100,8 @@ def demo_model(directory: str) -> None:
               help="Reuse KV blocks of shared prefixes [default: on]")
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]), default=None,
               help="auto: triton on CUDA, torch on CPU [default: auto]")
+@click.option("--cpu-linear-kernel", type=click.Choice(["auto", "onednn", "aten", "onednn_t", "aten_t"]),
+              default=None, help="The linears' GEMM path on CPU [default: auto, timed at load]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
 @click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1"]), default=None,
               help="How the model marks its thinking [default: from the chat template]")
@@ -172,6 +174,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
         uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
                     workers=workers, log_level="warning", log_config=None,
                     timeout_graceful_shutdown=int(grace),
+                    loop=settings.event_loop, http=settings.http_parser,
                     ssl_certfile=str(certfile) if certfile else None,
                     ssl_keyfile=str(keyfile) if keyfile else None)
 
@@ -251,12 +254,16 @@ def bench_structured(model: str | None, quick: bool, out: str) -> None:
 @click.option("--model", default=None, help="A model folder (default: a random ~58M Llama built for the run)")
 @click.option("--quick", is_flag=True, help="The tiny model and smaller programs (a smoke run)")
 @click.option("--questions", type=int, default=None, help="Multiple-choice questions (default 64)")
+@click.option("--only", multiple=True, type=click.Choice(["tot", "extract", "select"]),
+              help="Run only these programs (repeatable; default all three)")
 @click.option("--out", default="docs/perf/programs.json", show_default=True)
-def bench_programs(model: str | None, quick: bool, questions: int | None, out: str) -> None:
+def bench_programs(model: str | None, quick: bool, questions: int | None, only: tuple[str, ...],
+                   out: str) -> None:
     """Generation programs (kvgate.lang) through the gateway: cached, uncached, and naive calls."""
     from kvgate.bench.programs import run_bench
 
-    run_bench(quick=quick, out_json=out, model_dir=model, questions=questions)
+    run_bench(quick=quick, out_json=out, model_dir=model, questions=questions,
+              **({"only": only} if only else {}))
 
 
 from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving benchmark)
@@ -268,6 +275,10 @@ from kvgate.bench.soak import soak_command  # noqa: E402  (drills: nothing grows
 
 bench.add_command(burst_command, "burst")
 bench.add_command(soak_command, "soak")
+
+from kvgate.bench.fairness import fairness_command  # noqa: E402  (noisy neighbour: fair order vs FIFO)
+
+bench.add_command(fairness_command, "fairness")
 
 
 @bench.command("sampler")

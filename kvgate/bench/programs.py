@@ -175,11 +175,13 @@ def measure(stack: Stack, run) -> dict:
 
 
 def run_bench(quick: bool = False, out_json: str | None = "docs/perf/programs.json",
-              model_dir: str | None = None, questions: int | None = None) -> dict:
-    """`questions`: fewer multiple-choice questions than the issue's 64 (a slow or shared machine)."""
+              model_dir: str | None = None, questions: int | None = None, sizes: Sizes | None = None,
+              only: tuple[str, ...] = ("tot", "extract", "select")) -> dict:
+    """`questions`: fewer multiple-choice questions than the issue's 64 (a slow or shared machine);
+    `sizes`: other sizes altogether (the smoke test's); `only`: some of the programs."""
     from worker.engine.tokenizer import load_tokenizer
 
-    sizes = QUICK if quick else Sizes()
+    sizes = sizes or (QUICK if quick else Sizes())
     if questions:
         sizes = replace(sizes, questions=questions)
     tmp = Path(tempfile.mkdtemp(prefix="kvgate-bench-programs-"))
@@ -193,7 +195,7 @@ def run_bench(quick: bool = False, out_json: str | None = "docs/perf/programs.js
         timed = _inputs(random.Random(23), tokenizer, sizes)
         warm = _inputs(random.Random(99), tokenizer, replace(sizes, questions=2))  # warming needs few
         report = {"quick": quick, "sizes": sizes.__dict__, "model": str(model), "programs": {}}
-        for name in ("tot", "extract", "select"):
+        for name in only:
             rows = {}
             for way, stack in stacks.items():
                 run = _way(name, way == "naive", sizes)

@@ -40,6 +40,13 @@ class Backend:
         """Mean log-probability of each choice's tokens after `prompt`."""
         raise NotImplementedError
 
+    def prefill(self, prompt: str) -> None:
+        """Puts `prompt`'s blocks in the prefix cache before a fork's branches are sent (SGLang
+        commits a state before forking it too): branches sent together would otherwise each
+        compute the shared prefix from wherever the cache ended when they were scheduled, chasing
+        the first one chunk by chunk. One token is generated: a request needs one."""
+        self.generate(prompt, {"max_tokens": 1, "temperature": 0})
+
 
 def mean_logprob(entries: list, first: int, last: int) -> float:
     """The mean over prompt positions [first, last) of the scored token's logprob (vLLM's shape:

@@ -14,6 +14,9 @@ from kvgate.lang.errors import ProgramError
 from kvgate.lang.ops import Gen, Role, Select
 
 _END = object()  # closes a variable's stream
+# a shared prefix this long (a few hundred tokens, more than one CPU step's chunk) is computed once
+# before a fork's branches go; a shorter one costs the branches less than the extra round trip
+PREFILL_BEFORE_FORK_CHARS = 1024
 
 
 class ProgramState:
@@ -51,8 +54,14 @@ class ProgramState:
         return self._text
 
     def fork(self, n: int) -> ForkGroup:
-        """n states that start from everything so far (the server sees one shared prefix)."""
+        """n states that start from everything so far (the server sees one shared prefix, computed
+        once before the branches go: `Backend.prefill`)."""
         self.sync()
+        if n > 1 and len(self._text) >= PREFILL_BEFORE_FORK_CHARS:
+            try:
+                self.backend.prefill(self._text)
+            except BackendError as exc:
+                raise ProgramError(f"fork({n})", exc.message, exc.status, exc.code) from exc
         return ForkGroup(ProgramState(self.backend, self.stream, self._text, self.variables, self._chatting)
                          for _ in range(n))
 

@@ -3,16 +3,25 @@
 The v1 model: there is no prefill phase and no decode phase. Each sequence has num_computed_tokens
 and a target (all its tokens); each step hands out a token budget, running sequences first (one
 decode token each, then the next chunk of any unfinished prefill), then waiting ones by priority
-and arrival, their prompts cut into chunks that fit the budget, so prefill and decode share a step.
+and arrival (or, when the worker sets `waiting_order`, by priority, that order, then arrival),
+their prompts cut into chunks that fit the budget, so prefill and decode share a step.
+A prompt whose next uncached prefix block another prompt is prefilling waits until that one has
+written it (fork branches sent together share their prefix's KV instead of each computing it).
 Prompts are prefilled strictly by priority: a step that prefills some prompt leaves out the chunks
 of worse-priority prompts (batch lines), so they never lengthen the step that produces a better
 prompt's first token; their decodes, one token each, still run. When blocks run out, the
 lowest-priority, newest unscheduled running sequence is preempted by recompute: it frees its blocks
-and waits again with everything it generated as its prompt-so-far.
+and waits again with everything it generated as its prompt-so-far. The worker's fair order may also
+ask a tenant's sequence to yield its slot (`yield_slot`, the same preemption by recompute) to a
+tenant below its share: until the next step is scheduled the yielded sequence is held back and does
+not count against the engine's room, so the entry it yielded to is admitted and takes the slot
+(rather than the yielded one taking it back, its tenant's counter being the lower after the
+newcomer's prompt is charged); from then on it waits like any other.
 """
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable, Collection
 
 from worker.engine.block_pool import BlockPool
 from worker.engine.config import EngineConfig
@@ -26,9 +35,14 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.pool = pool
-        self.waiting: list[Sequence] = []  # kept sorted by priority_key
+        self.waiting: list[Sequence] = []  # by priority_key (or priority, waiting_order, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_fair_preemptions = 0  # of those, slots yielded to the fair order (yield_slot)
+        self.yielded: set[int] = set()  # seq ids of sequences held back until the next schedule
+        # request id -> a rank within a priority (the worker's per-tenant token counters, so the
+        # waiting queue keeps the worker's fair order); None: arrival order, as an in-process LLM has
+        self.waiting_order: Callable[[str], float] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -39,6 +53,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         plan = _Plan(self.max_num_batched_tokens)
+        self._order_waiting()
         preemptions = self.num_preemptions
         # Decodes first, so a long prompt never stalls the streams already running; then prompt
         # chunks by priority, waiting prompts that outrank a running chunk admitted before it.
@@ -59,7 +74,15 @@ class Scheduler:
                 plan.add(seq, num_new)
         if self.num_preemptions == preemptions:  # admitting while evicting would only thrash
             self._admit(plan)
+        self.yielded.clear()  # the slots went to the entries they were yielded to
         return plan.batch
+
+    def _order_waiting(self) -> None:
+        """Re-rank the waiting queue by `waiting_order` (its ranks move between steps); priority
+        stays first, so `add`'s insertion by priority still lands in the right band."""
+        if self.waiting_order is not None and len(self.waiting) > 1:
+            order = self.waiting_order
+            self.waiting.sort(key=lambda s: (s.params.priority, order(s.request_id), s.seq_id))
 
     def _chunk_cap(self) -> int:
         """A long prefill leaves half the budget to waiting prompts, so it never starves short ones."""
@@ -76,12 +99,22 @@ class Scheduler:
 
     def _admit(self, plan: _Plan, outranking: int | None = None) -> None:
         """Admit waiting prompts in order (only those of a better priority than `outranking`, when
-        given) while budget, sequence slots and blocks last."""
+        given) while budget, sequence slots and blocks last. A prompt whose next uncached block a
+        running prompt is still prefilling waits for it (it would compute the same blocks again,
+        chasing the other chunk by chunk) and the prompts behind it go on; one that yielded its
+        slot this step waits too."""
+        skipped, prefilling = set(self.yielded), None
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if (outranking is not None and seq.params.priority >= outranking) or plan.outranks(seq):
+            seq = self.waiting[0] if not skipped else next(
+                (s for s in self.waiting if s.seq_id not in skipped), None)
+            if seq is None or (outranking is not None and seq.params.priority >= outranking) or plan.outranks(seq):
                 break
             hits = self.pool.match_prefix(seq)[:seq.cacheable_tokens() // self.pool.block_size]
+            if prefilling is None:
+                prefilling = self._blocks_in_prefill()
+            if prefilling and self._behind(seq, len(hits), prefilling):
+                skipped.add(seq.seq_id)
+                continue
             num_cached = len(hits) * self.pool.block_size
             num_new = min(seq.num_tokens - num_cached, plan.budget)
             if not self.pool.allocate(seq, num_new, hits):
@@ -89,8 +122,39 @@ class Scheduler:
             self.pool.record_lookup(seq.num_tokens, num_cached)
             seq.num_computed_tokens = num_cached
             seq.status = SequenceStatus.RUNNING
-            self.running.append(self.waiting.pop(0))
+            self.waiting.remove(seq)
+            self.running.append(seq)
             plan.add(seq, num_new)
+            if self.pool.enable_caching:  # what it writes in later steps, the next prompts may wait for
+                prefilling.update(seq.block_hashes[seq.num_registered_blocks:])
+
+    def _blocks_in_prefill(self) -> set[bytes]:
+        """Hashes of the full prompt blocks running prompts will write in later steps (those of
+        this step are registered, and so already hit)."""
+        if not self.pool.enable_caching:
+            return set()
+        return {h for s in self.running if _remaining(s) > 1
+                for h in s.block_hashes[s.num_registered_blocks:]}
+
+    def _behind(self, seq: Sequence, num_hits: int, prefilling: set[bytes]) -> bool:
+        """Whether `seq`'s first uncached block (one it may take from the cache) is being prefilled."""
+        if num_hits >= min((seq.num_tokens - 1) // self.pool.block_size,
+                           seq.cacheable_tokens() // self.pool.block_size):
+            return False
+        return seq.block_hashes[num_hits] in prefilling
+
+    def yield_slot(self, request_ids: Collection[str], priority: int) -> bool:
+        """Preempt (by recompute) one running sequence of `request_ids` whose priority is no better
+        than `priority`: the one with the least computed (the cheapest to recompute), the newest on
+        a tie. False: none of them runs."""
+        candidates = [s for s in self.running if s.request_id in request_ids and s.params.priority >= priority]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda s: (s.num_computed_tokens, -s.seq_id))
+        self._preempt(victim)
+        self.num_fair_preemptions += 1
+        self.yielded.add(victim.seq_id)
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute later: the outputs so far stay and are re-prefilled as part of the prompt."""
@@ -107,6 +171,7 @@ class Scheduler:
         elif seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.pool.free(seq)
+        self.yielded.discard(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 

@@ -123,3 +123,28 @@ def test_default_backend_and_engine_refusals_name_the_step(local):
         set_default_backend(None)
     with pytest.raises(ValueError, match="no backend"):
         too_long.run()
+
+
+@function
+def fan_out(s, state):
+    s += state
+    forks = s.fork(3)
+    forks += gen("x", max_tokens=2, seed=1)
+    forks.join()
+
+
+def test_a_fork_of_a_long_state_prefills_it_once_before_its_branches(local, monkeypatch):
+    from kvgate.lang.state import PREFILL_BEFORE_FORK_CHARS
+
+    sent, real = [], local.generate
+
+    def recording(prompt, params, on_text=None):
+        sent.append((len(prompt), params.get("max_tokens")))
+        return real(prompt, params, on_text)
+    monkeypatch.setattr(local, "generate", recording)
+    long = "stone river " * (PREFILL_BEFORE_FORK_CHARS // 12 + 1)
+    fan_out.run(state=long, backend=local)
+    assert sent[0] == (len(long), 1) and len(sent) == 4  # the state alone first, then 3 branches
+    sent.clear()
+    fan_out.run(state="short", backend=local)
+    assert sent == [(len("short"), 2)] * 3  # the branches only: a short state is not worth a round trip

@@ -76,7 +76,8 @@ def test_free_capacity_and_stats(model_dir):
     assert engine.free_capacity() == 0
     stats = engine.stats()
     assert stats == {"num_running": 0, "num_waiting": 2, "kv_usage": 0.0, "prefix_cache_queries": 0,
-                     "prefix_cache_hits": 0, "num_preemptions": 0, "num_free_blocks": 8, "num_blocks": 8}
+                     "prefix_cache_hits": 0, "num_preemptions": 0, "num_fair_preemptions": 0,
+                     "num_free_blocks": 8, "num_blocks": 8}
     engine.step()
     stats = engine.stats()
     assert stats["num_running"] == 2 and 0 < stats["kv_usage"] <= 1

@@ -78,3 +78,38 @@ def test_priorities_and_preemption_keep_outputs_exact(case):
 def test_pure_torch_backend_is_exact_too(case):
     llm = LLM(case.model_dir, attention_backend="torch", max_num_batched_tokens=32)
     assert tokens(llm.generate(case.prompts, GREEDY)) == case.expected
+
+
+def test_slots_yielded_to_the_fair_order_keep_outputs_exact(case):
+    """The worker's fair order makes a tenant yield a slot mid-generation (preemption by recompute):
+    each yield frees one unit of room at once, and every output is still token-exact."""
+    llm = LLM(case.model_dir, max_num_seqs=4, max_num_batched_tokens=64)
+    engine, got = llm.engine, {}
+    waiting = [(str(i), p) for i, p in enumerate(case.prompts)]
+    step = 0
+    while waiting or engine.has_unfinished():
+        while waiting and engine.free_capacity() > 0:
+            rid, prompt = waiting.pop(0)
+            engine.add_request(rid, prompt, GREEDY)
+            got[rid] = []
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        step += 1
+        running = engine.running_requests()
+        if step % 3 == 0 and len(running) == 4 and waiting and not engine.scheduler.waiting:
+            room = engine.free_capacity()
+            assert engine.yield_slot({running[-1]}, priority=0)
+            assert engine.free_capacity() == room + 1
+            assert len(engine.running_requests()) == 3
+    assert [got[str(i)] for i in range(len(case.prompts))] == case.expected
+    assert engine.stats()["num_fair_preemptions"] > 0
+
+
+def test_fork_branches_sent_together_share_the_prefix_prefill_and_stay_exact(case, hf_greedy):
+    """Four prompts with one 48-token prefix sent at once to a 16-token budget: the first prefills
+    the prefix chunk by chunk, the others wait for it and read it from the cache; outputs exact."""
+    prefix = [t for p in case.prompts for t in p][:48]
+    prompts = [prefix + [7 + i, 11 + i, 13 + i] for i in range(4)]
+    llm = LLM(case.model_dir, block_size=4, max_num_batched_tokens=16)
+    assert tokens(llm.generate(prompts, GREEDY)) == hf_greedy(case.model_dir, prompts, MAX_NEW)
+    assert llm.engine.stats()["prefix_cache_hits"] >= 3 * 48

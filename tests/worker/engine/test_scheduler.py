@@ -143,3 +143,75 @@ def test_priorities_never_leave_blocks_cached_before_their_kv_is_written():
                 seq.append_token(1)
                 if len(seq.output_ids) >= seq.params.max_tokens:
                     sched.finish(seq, "length")
+
+
+def test_a_waiting_order_hook_reorders_within_a_priority_but_never_across():
+    """The worker's fair order reaches the waiting queue: within a priority the hook's rank wins
+    over arrival; a better priority still goes first; unset, arrival order stays (in-process LLM)."""
+    sched = make(budget=4, max_seqs=1)
+    old = add(sched, 4)
+    old.request_id = "heavy"
+    new = add(sched, 4)
+    new.request_id = "light"
+    urgent = add(sched, 4, priority=-1)
+    urgent.request_id = "heavy"
+    sched.waiting_order = {"heavy": 100.0, "light": 1.0}.get
+    assert list(step(sched)) == [urgent.seq_id]
+    sched.finish(urgent, "length")
+    assert list(step(sched)) == [new.seq_id]  # the less-served tenant before the older entry
+
+
+def test_a_yielded_slot_goes_to_the_least_computed_sequence_of_the_tenant_and_runs_again():
+    """`yield_slot`: the running sequence of the given requests with the least computed (the
+    cheapest to recompute) yields; priority better than asked is never taken; the yielded one is
+    held back for one schedule, so the newcomer takes the slot even when the yielded one ranks
+    first, and then waits like any other."""
+    sched = make(budget=64, max_seqs=3)
+    long_a, short_a, urgent_a = add(sched, 12), add(sched, 4), add(sched, 2, priority=-1)
+    for seq, rid in ((long_a, "a1"), (short_a, "a2"), (urgent_a, "a3")):
+        seq.request_id = rid
+    step(sched)  # the better priority's prompt alone (worse prompts wait out its prefill)
+    step(sched)
+    assert {s.seq_id for s in sched.running} == {long_a.seq_id, short_a.seq_id, urgent_a.seq_id}
+    assert not sched.yield_slot({"a3"}, priority=0)  # only a better priority than asked: kept
+    assert not sched.yield_slot({"zz"}, priority=0)  # none of these runs
+    assert sched.yield_slot({"a1", "a2", "a3"}, priority=0)
+    assert short_a.status == SequenceStatus.WAITING and short_a.num_computed_tokens == 0
+    assert sched.yielded == {short_a.seq_id} and sched.num_fair_preemptions == sched.num_preemptions == 1
+    newcomer = add(sched, 3)
+    newcomer.request_id = "b1"
+    sched.waiting_order = {"a1": 1.0, "a2": 1.0, "b1": 50.0}.get  # a2 ranks first...
+    assert newcomer.seq_id in step(sched)  # ...yet the slot went to the newcomer
+    assert short_a.status == SequenceStatus.WAITING and not sched.yielded
+    assert short_a.seq_id not in step(sched)  # no free slot: it waits
+    sched.finish(long_a, "length")
+    step(sched)
+    assert short_a.status == SequenceStatus.RUNNING
+
+
+def test_a_prompt_waits_for_the_blocks_another_is_prefilling_and_those_behind_it_go_on():
+    """Two prompts with the same 60 tokens (block 4, budget 24): the second arrives while the first
+    is mid-prefill. It waits until the first has written every block it can reuse, then computes
+    only its last block; a short prompt behind it is admitted meanwhile."""
+    sched = make(num_blocks=64, block_size=4, budget=24)
+    shared = [next(_fresh) for _ in range(60)]
+    first = Sequence("r1", 0, shared, SamplingParams(max_tokens=4))
+    sched.add(first)
+    assert step(sched) == {first.seq_id: 24}
+    second = Sequence("r2", 0, list(shared), SamplingParams(max_tokens=4))
+    sched.add(second)
+    short = add(sched, 6)
+    assert step(sched) == {first.seq_id: 12, short.seq_id: 6}  # the second waits, the short goes on
+    assert second.status == SequenceStatus.WAITING
+    assert second.seq_id not in step(sched)  # still behind: blocks 12-14 are not written yet
+    computed = step(sched)
+    assert computed[first.seq_id] == 12 and computed[second.seq_id] == 4  # 56 tokens from the cache
+    assert second.num_computed_tokens == 60
+
+
+def test_a_prompt_that_shares_nothing_in_prefill_is_not_held():
+    sched = make(num_blocks=64, block_size=4, budget=24)
+    first = add(sched, 60)
+    step(sched)
+    other = add(sched, 20)
+    assert step(sched)[other.seq_id] == 12  # admitted at once, beside the first's chunk

@@ -1,0 +1,68 @@
+"""The linears' GEMM path chosen per CPU at load (gemm_probe.py): each alternative, forced, is
+token-exact with transformers' fp32 greedy; the probe's choice is recorded and exported; a path
+that raises is never chosen."""
+import pytest
+import torch
+
+from worker.engine.llm import LLM
+from worker.engine.types import SamplingParams
+from worker.models import gemm_probe
+from worker.models.linear import PATHS, Linear, LinearKernel
+
+torch.set_num_threads(1)
+MAX_NEW = 16
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def case(build_tiny, random_prompts, hf_greedy):
+    model_dir = build_tiny("kernels-qwen2", "qwen2")  # q/k/v biases: the bias goes through each path
+    prompts = random_prompts(6, 3, 40, seed=3)
+    return model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW)
+
+
+@pytest.mark.parametrize("kernel", list(PATHS))
+def test_each_forced_kernel_is_token_exact(case, kernel):
+    model_dir, prompts, expected = case
+    llm = LLM(model_dir, cpu_linear_kernel=kernel)
+    runner = llm.engine.runner
+    assert (runner.kernels.kernel, runner.kernels.source) == (LinearKernel(kernel, kernel), "forced")
+    transposed = [m.weight.stride() == (1, m.weight.shape[0]) for m in runner.model.modules()
+                  if isinstance(m, Linear) and m.weight.shape[0] > 1]
+    assert set(transposed) == {kernel.endswith("_t")}  # the weights are in the kernel's layout
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_the_probe_records_its_choice_and_it_is_exact(case):
+    model_dir, prompts, expected = case
+    llm = LLM(model_dir)
+    choice = llm.engine.runner.kernels
+    assert choice.source == "probe"
+    assert {k.split("@")[0] for k in choice.timings_ms} == set(PATHS)  # every path timed on this CPU
+    assert all(t > 0 for t in choice.timings_ms.values())
+    assert llm.engine.kv_cache.linear_kernel == choice.label()
+    assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
+
+
+def test_a_path_that_raises_is_never_chosen(monkeypatch):
+    def broken(x, w, b):
+        raise RuntimeError("no such kernel on this CPU")
+
+    monkeypatch.setitem(PATHS, "onednn", (broken, False))
+    shapes = (((64, 32, True), 2), ((128, 32, False), 1))
+    timings = gemm_probe._probe.__wrapped__(shapes, (4, 32), 1)
+    assert "onednn@4" not in timings and "aten@32" in timings
+    assert "onednn" not in (gemm_probe._pick(timings).small, gemm_probe._pick(timings).large)
+
+
+def test_pick_takes_the_layout_best_at_both_sizes_then_each_sizes_fastest():
+    timings = {"onednn@4": 10, "aten@4": 8, "onednn_t@4": 2, "aten_t@4": 3,
+               "onednn@64": 50, "aten@64": 70, "onednn_t@64": 60, "aten_t@64": 55}
+    assert gemm_probe._pick(timings) == LinearKernel("onednn_t", "aten_t")
+    timings["onednn@64"] = 10  # now row-major wins at 64 rows by more than it loses at 4
+    assert gemm_probe._pick(timings) == LinearKernel("aten", "onednn")
+
+
+def test_an_unknown_kernel_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ValueError, match="unknown linear kernel 'mkl': auto, onednn, aten"):
+        LinearKernel("mkl", "mkl")
