@@ -15,7 +15,8 @@ from gateway.keys import BOOTSTRAP_IDS, KeyRecord
 from shared.errors import InvalidRequest
 
 KeyRef = Annotated[str, Path(max_length=64, description="A key's name or id")]
-NOT_NULL = ("name", "role", "models", "best_priority", "cache_scope", "version_override", "metadata")
+NOT_NULL = ("name", "role", "models", "best_priority", "weight", "cache_scope", "version_override",
+            "metadata")
 
 ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
     (401, "No key, or an unknown, revoked or expired one"), (403, "Not an admin key"),

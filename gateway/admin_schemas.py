@@ -5,8 +5,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.keys import (MAX_LIMIT, MAX_METADATA, MAX_MODELS, PRIORITY_BOUND, CacheScope, Cohort,
-                          KeyLimits, KeyRecord, Metadata, ModelName, Owner, Role)
+from gateway.keys import (MAX_LIMIT, MAX_METADATA, MAX_MODELS, MAX_WEIGHT, MIN_WEIGHT, PRIORITY_BOUND,
+                          CacheScope, Cohort, KeyLimits, KeyRecord, Metadata, ModelName, Owner, Role)
 from shared.settings import MAX_TIMEOUT_S
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$"
@@ -43,6 +43,7 @@ class KeyUpdate(BaseModel):
     max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
     daily_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
     best_priority: int | None = Field(None, ge=-PRIORITY_BOUND, le=PRIORITY_BOUND)
+    weight: float | None = Field(None, ge=MIN_WEIGHT, le=MAX_WEIGHT)
     cache_scope: CacheScope | None = None
     canary_cohort: Cohort | None = None
     version_override: bool | None = None

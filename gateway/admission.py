@@ -1,5 +1,10 @@
 """Admission to /v1: key → requests per minute → a slot in flight; what was taken is given back
 (slot released, tokens settled, usage recorded) when the response has ended, whatever ended it.
+
+A generation (GENERATING: the routes that reach `open_answer`) is admitted there instead, once its
+body is parsed and routed: its minute, its slot and its tokens in one round trip (gateway/limits.py
+ADMIT), so a request costs a key lookup and one script before its XADD. Such a request refused
+before then (a bad body, an unknown model) takes nothing of its key's minute.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ from gateway import holdings, timeouts
 from gateway.dispatch import Handle
 from gateway.holdings import Holdings
 from gateway.keys import KeyRecord
-from gateway.limits import Reservation
+from gateway.limits import Admission, Reservation
 from gateway.routing import Outcome
 from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, StreamLease
@@ -45,12 +50,20 @@ class Lease:
     usage: dict | None = None  # the `usage` the client received
     error_status: int | None = None  # the status of an error a stream ended with
     resuming: bool = False  # resumes a stream (Last-Event-ID): the original's slot and tokens stand
+    deferred: bool = False  # a generation: its minute and slot are taken with its tokens (`admitted`)
     stream: StreamLease | None = None  # set once its holdings are in Redis: settled by claim, once
     timeouts: Timeouts | None = None  # its time limits: the key's, its route's or the defaults
 
     def reserved(self, reservation: Reservation) -> None:
         """Tokens were charged to the key's minute and day (settled at the end)."""
         self.reservation = reservation
+
+    def admitted(self, admission: Admission) -> None:
+        """The key's limits let it through: what they took is its to give back."""
+        self.slot = self.slot or admission.slot
+        self.deferred = False
+        if admission.reservation is not None:
+            self.reserved(admission.reservation)
 
     def dispatched(self, model: str, handle: Handle, outcome: Outcome) -> None:
         """The request is on its version's stream: from now on it counts as usage."""
@@ -77,8 +90,11 @@ class Lease:
         self.reservation, self.model, self.version = held.reservation, held.model, held.version
 
     def holdings(self) -> Holdings:
+        """Usage goes to the version that answered: a retry before the first token may have moved
+        the request off the one it was routed to (whose canary outcome still counts the failure)."""
+        version = (self.handle.version if self.handle else None) or self.version
         return Holdings(self.key.id, self.slot_id if self.slot else None, self.reservation,
-                        self.model, self.version)
+                        self.model, version)
 
     def refused(self) -> bool:
         return bool(self.handle and self.handle.refused)
@@ -112,19 +128,29 @@ def resumes(request: Request) -> bool:
         "last-event-id" in request.headers and path in RESUMABLE_PATHS)
 
 
-RESUMABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+RESUMABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 RESUME_PREFIX = "/v1/streams/"
+GENERATING = RESUMABLE_PATHS | {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+
+
+def _deferred(request: Request, lease: Lease) -> bool:
+    """A generation is admitted with its tokens, in `open_answer` (one script, not two)."""
+    return request.method == "POST" and request.url.path in GENERATING and not lease.resuming
 
 
 async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIterator[Lease]:
     limits = state.limits
     lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request), resuming=resumes(request))
     lease.timeouts = timeouts.of(state.settings, key, request.url.path, lease.lane)
+    lease.deferred = _deferred(request, lease)
     with tracer().start_as_current_span("limits"):
-        set_ratelimit_headers(request, await limits.token_window(key))
-        if not lease.resuming:
-            set_ratelimit_headers(request, await limits.count_request(key))
-            lease.slot = await limits.acquire_slot(key, lease.slot_id, lease.timeouts.total_s)
+        if not lease.deferred:  # one round trip: the token window, and unless it resumes, the
+            # request counted in its minute and a slot taken
+            taken = None if lease.resuming else lease.slot_id
+            admission = await limits.admit(key, count=taken is not None, slot_id=taken,
+                                           total_s=lease.timeouts.total_s)
+            lease.admitted(admission)
+            set_ratelimit_headers(request, admission.headers)
     request.state.lease = lease  # for the metrics and the access line (gateway/observe.py)
     try:
         yield lease

@@ -5,7 +5,6 @@ then is an HTTP error, one after it an error event). Either way the lease is tol
 client was told, so the same settlement charges it."""
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
@@ -14,14 +13,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
+from gateway import client_wait, resume
 from gateway.admission import Lease
 from gateway.dispatch import KEEPALIVE, Lookahead
-from gateway.openai_api import SSE_HEADERS, Answer
+from gateway.openai_api import SSE_HEADERS, Answer, Call, hold
 from gateway.schemas import ChatCompletionRequest
+from gateway.state import GatewayState
 from shared import protocol
 from shared.errors import InvalidRequest, KvgateError
-
-DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
 
 
 class Renderer(Protocol):
@@ -38,6 +37,8 @@ class Renderer(Protocol):
     def keepalive(self) -> bytes: ...
 
     def result(self) -> dict[str, Any]: ...
+
+    def spec(self) -> dict[str, Any]: ...  # what rebuilds it at another gateway (JSON)
 
 
 def chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
@@ -60,16 +61,16 @@ def usage_of(done: protocol.Done) -> dict:
 async def whole(request: Request, lease: Lease, answer: Answer, render: Renderer) -> Response:
     """`stream: false`: one body once the request is done (499 when the client left first)."""
     try:
-        usage = await _unless_gone(request, _drain(answer.replies, render))
+        usage = await client_wait.unless_gone(request, _drain(answer.replies, render))
     except KvgateError as exc:
-        raise exc.with_headers(answer.headers)
+        raise exc.with_headers(client_wait.named(answer))
     finally:
         answer.handle.close("client_gone")
     if usage is None:
         return Response(status_code=499)
     lease.finished(usage)
     await render.done(usage)
-    return JSONResponse(render.result(), headers=answer.headers)
+    return JSONResponse(render.result(), headers=client_wait.named(answer))
 
 
 async def _drain(replies: AsyncIterator, render: Renderer) -> dict:
@@ -81,68 +82,67 @@ async def _drain(replies: AsyncIterator, render: Renderer) -> dict:
     raise AssertionError("reply stream ended without done")  # pragma: no cover
 
 
-async def stream(request: Request, lease: Lease, answer: Answer, wait_s: float,
-                 render: Renderer) -> Response:
-    """`stream: true`: the events of `render`, the 200 once the worker admitted the request."""
-    ahead, gone, here = Lookahead(answer.replies), asyncio.ensure_future(_disconnect(request)), False
-    try:
-        here = await ahead.wait_first(wait_s, gone)
-    except KvgateError as exc:
-        raise exc.with_headers(answer.headers)
-    finally:
-        gone.cancel()
-        if not here:  # refused, or the client left: the close cancels what may still run
-            ahead.cancel()
-            answer.handle.close("not_started")
-    if not here:
+async def stream(request: Request, state: GatewayState, lease: Lease, answer: Answer, call: Call,
+                 api: str, render: Renderer) -> Response:
+    """`stream: true`: the events of `render`, the 200 once the worker admitted the request; held
+    in Redis like chat's (gateway/openai_api.py `hold`), with what rebuilds `render`, so that the
+    stream resumes at any gateway (Last-Event-ID) and is settled once."""
+    ahead = await client_wait.first_reply(request, answer, state.settings.admission_wait_s)
+    if ahead is None:
         return Response(status_code=499)
+    await hold(state, lease, answer, call, {"api": api, "render": render.spec()})
     return StreamingResponse(_events(answer, ahead, lease, render), media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **answer.headers},
+                             headers={**SSE_HEADERS, **client_wait.named(answer)},
                              background=BackgroundTask(answer.handle.close, "client_disconnected"))
 
 
-async def _events(answer: Answer, replies: Lookahead, lease: Lease,
-                  render: Renderer) -> AsyncIterator[bytes]:
-    """Each delta written the moment it arrives; a disconnect cancels the request (in `finally`)."""
+def resumed(answer: Answer, lease: Lease, render: Renderer, after: int) -> Response:
+    """A stream rebuilt from its reply log (gateway/openai_api.py `_resume`): every reply goes
+    through `render`, so its state (sequence numbers, open blocks) is the original's; only the
+    events after `after` are sent."""
+    return StreamingResponse(_events(answer, answer.replies, lease, render, after),
+                             media_type="text/event-stream", headers={**SSE_HEADERS, **answer.headers},
+                             background=BackgroundTask(answer.handle.close, "client_disconnected"))
+
+
+async def _events(answer: Answer, replies: Lookahead, lease: Lease, render: Renderer,
+                  after: int = -1) -> AsyncIterator[bytes]:
+    """Each reply's events written the moment it arrives, in one write, the last of them with the
+    id `<request id>:<sequence>` (an event without an id keeps the one before it, so a client cut
+    off inside a reply's events resumes with all of them); a disconnect cancels the request (in
+    `finally`) unless a resume may come within KVGATE_RESUME_GRACE_S."""
+    rid = answer.shape.id  # the id the client knows, whichever attempt serves it
     try:
-        for event in render.start():
-            yield event
+        opening = render.start()
+        if after < 0:
+            yield _tagged(opening, rid, 0)
         try:
             async for reply in replies:
                 if reply is KEEPALIVE:
                     yield render.keepalive()
-                elif isinstance(reply, protocol.Delta):
-                    for event in render.delta(reply):
-                        yield event
+                    continue
+                if isinstance(reply, protocol.Delta):
+                    events = render.delta(reply)
                 elif isinstance(reply, protocol.Done):
                     lease.finished(usage_of(reply))
-                    for event in await render.done(lease.usage):
-                        yield event
+                    events = await render.done(lease.usage)
+                else:
+                    continue
+                if events and reply.seq > after:
+                    yield _tagged(events, rid, reply.seq)
         except KvgateError as exc:
             lease.failed(exc.status)
-            for event in render.error(exc):
-                yield event
+            yield _tagged(render.error(exc), rid, answer.handle.last_seq)
     finally:
         replies.cancel()
         answer.handle.close("client_disconnected")
 
 
-async def _disconnect(request: Request) -> None:
-    """Returns when the client has gone: its body is read, so that is all it can still say."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_gone(request: Request, work) -> Any:
-    """The result of `work`, or None as soon as the client has gone (the request is cancelled)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                return None
-        return task.result()
-    finally:
-        task.cancel()
+def _tagged(events: list[bytes], request_id: str, seq: int) -> bytes:
+    """The events as one write, the last carrying the id of the reply they render."""
+    if not events:
+        return b""
+    return b"".join(events[:-1]) + resume.event_id(request_id, seq) + events[-1]
 
 
 def sse(event: str, data: bytes) -> bytes:

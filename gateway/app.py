@@ -23,6 +23,7 @@ from gateway.ratelimit_headers import RateLimitHeaders
 from gateway.responses_api import router as responses_router
 from gateway.state import GatewayState
 from gateway.strict_json import StrictJSONMiddleware
+from gateway.tokenize_api import router as tokenize_router
 from gateway.throttle import Throttle
 from shared import logs, telemetry
 from shared.settings import GatewaySettings
@@ -51,6 +52,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(openai_router)
     app.include_router(responses_router)
     app.include_router(messages_router)
+    app.include_router(tokenize_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
     app.include_router(files_router)

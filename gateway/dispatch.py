@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway import retry
-from gateway.breaker import Breaker, counts_against
+from gateway.breaker import GATE, GATE_GRANT, Breaker, Refused, counts_against
 from gateway.errors import redis_unavailable
 from gateway.timeouts import Timeouts
 from shared import names, protocol
@@ -28,13 +29,21 @@ RESYNC = object()  # put in every open queue after a resubscribe: replies may ha
 CANCEL_MARK_TTL_S = 600
 FOLLOW_POLL_S = 0.05  # how often a follower reads the reply log for new lines
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
-# An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms), in the
-# same round trip, so batch runners know to yield. Answers the new entry's id, or FULL.
-FULL = None  # Lua's false, as redis-py reads it: the stream is at its depth
+# An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms; 0: none),
+# and a first attempt passes its version's circuit breaker (KEYS[3], when ARGV[5] is 1), all in
+# the same round trip (one `{m:}` slot). Answers {'refused', ms to wait}, {'full'}, or the new
+# entry's id, the breaker's verdict ('go' or 'probe') and the state it entered ('' or 'half_open').
 _XADD_BOUNDED = """
-if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return false end
-if KEYS[2] then redis.call('SET', KEYS[2], '1', 'PX', ARGV[4]) end
-return redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+local gate_key, gate_hold, gate_token = KEYS[3], tonumber(ARGV[6]), ARGV[7]
+local verdict, gate_wait, entered, gate_now = 'go', 0, '', 0
+if ARGV[5] == '1' then
+""" + GATE + """
+end
+if verdict == 'refused' then return {'refused', gate_wait} end
+if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return {'full'} end
+""" + GATE_GRANT + """
+if ARGV[4] ~= '0' then redis.call('SET', KEYS[2], '1', 'PX', ARGV[4]) end
+return {redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3]), verdict, entered}
 """
 
 
@@ -113,16 +122,17 @@ class Dispatcher:
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
                      schema: int | None = None, probe: str | None = None,
-                     timeouts: Timeouts | None = None) -> "Handle":
+                     timeouts: Timeouts | None = None, gate: bool = False) -> "Handle":
         """Enqueue, in the schema the stream's workers speak (`schema`, the oldest among them; None:
         workers from before they said, which spoke 1); an interactive entry also marks its model
         busy for the batch runners. `probe`: the breaker's token if this request is its version's
-        probe (its first token closes the breaker). `timeouts`: its limits, counted from
-        `entry.created` (the total is the entry's deadline)."""
-        queue = await self.enqueue(stream, entry, interactive, schema)
+        probe (its first token closes the breaker). `gate`: pass the version's breaker in the same
+        script (Refused if it is open; the probe's token comes from there). `timeouts`: its
+        limits, counted from `entry.created` (the total is the entry's deadline)."""
+        queue, granted = await self._enqueue(stream, entry, interactive, schema, gate)
         handle = Handle(self, entry.request_id, queue, entry.deadline,
                         attempt=Attempt(stream, entry, interactive, schema))
-        handle.probe = probe
+        handle.probe = granted or probe
         if timeouts is not None:
             handle.timeouts, handle.first_token_by = timeouts, timeouts.first_token_by(entry.created)
         return handle
@@ -130,28 +140,38 @@ class Dispatcher:
     async def enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
                       schema: int | None) -> asyncio.Queue:
         """The bounded XADD; the queue its replies will arrive on (registered before the XADD)."""
+        return (await self._enqueue(stream, entry, interactive, schema, gate=False))[0]
+
+    async def _enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
+                       schema: int | None, gate: bool) -> tuple[asyncio.Queue, str | None]:
         if not self.subscribed.is_set():
             raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)
         raw = protocol.encode(entry, version=protocol.peer_version(schema))
         if len(raw) > self.max_entry_bytes:  # what one request may hold of Redis's memory
             raise PayloadTooLarge(f"The request takes {len(raw)} bytes as a queue entry; the limit "
                                   f"is {self.max_entry_bytes} bytes (KVGATE_MAX_ENTRY_BYTES)")
+        gate = gate and self.breaker is not None and self.breaker.enabled
+        token = secrets.token_hex(8) if gate else ""
         queue: asyncio.Queue = asyncio.Queue()
         self.queues[entry.request_id] = queue
-        keys, args = [stream], [self.max_stream_depth, protocol.ENTRY_FIELD, raw]
-        if interactive and self.interactive_mark_ms:
-            keys.append(names.interactive_mark(entry.model))
-            args.append(self.interactive_mark_ms)
+        mark_ms = self.interactive_mark_ms if interactive else 0
+        keys = [stream, names.interactive_mark(entry.model), names.breaker_state(entry.model, entry.version)]
+        args = [self.max_stream_depth, protocol.ENTRY_FIELD, raw, mark_ms, int(gate),
+                self.breaker.open_ms if gate else 0, token]
         try:
             added = await self._xadd_bounded(keys=keys, args=args)
         except Exception as exc:
             self.queues.pop(entry.request_id, None)
             raise redis_unavailable(exc) from exc
-        if added is FULL:
+        if added[0] in (b"refused", b"full"):
             self.queues.pop(entry.request_id, None)
+            if added[0] == b"refused":
+                raise Refused(int(added[1]) / 1000)
             raise Overloaded(f"model '{entry.model}' is at its queue depth limit of "
                              f"{self.max_stream_depth} requests; retry shortly", retry_after=2)
-        return queue
+        if gate:
+            self.breaker.moved(entry.model, entry.version, added[2])
+        return queue, token if gate and added[1] == b"probe" else None
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Fire-and-forget: safe to call from a cancelled task's `finally`."""
@@ -219,6 +239,11 @@ class Handle:
         self.timeouts: Timeouts | None = None  # what the limits are called in a timeout's message
         self.first_token_by = math.inf  # time.time() by which a token must have come (or done)
         self.gave_up = False  # a time limit passed: the request is cancelled as a timeout
+
+    @property
+    def version(self) -> str | None:
+        """The version the attempt in flight was sent to (a retry may move it); None: unknown."""
+        return self.attempt.entry.version if self.attempt else None
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
         """Deltas then one Done; KEEPALIVE (None) every `keepalive_s` of silence; errors raise,

@@ -8,8 +8,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from redis.exceptions import NoScriptError
+
 from gateway.limits import Limits, Reservation
 from shared import names
+from shared.redis_client import is_cluster
 from shared.usage import UsageBook
 
 log = logging.getLogger("kvgate.gateway")
@@ -53,6 +56,36 @@ async def settle(limits: Limits, book: UsageBook, held: Holdings, usage: dict | 
                  refused: bool = False) -> None:
     """Tokens replaced by what was charged, usage recorded (None: an error), the slot freed.
     Redis trouble is logged, never raised: a served response must not turn into an error."""
+    if is_cluster(limits.redis):  # the usage index is in other slots: one step at a time
+        await _in_steps(limits, book, held, usage, refused)
+        return
+    try:
+        await _at_once(limits, book, held, usage, refused)
+    except Exception as exc:  # the slot frees itself at its expiry
+        log.warning("could not settle usage of key %s: %s", held.key_id, type(exc).__name__)
+
+
+async def _at_once(limits: Limits, book: UsageBook, held: Holdings, usage: dict | None,
+                   refused: bool) -> None:
+    """One Redis: the whole settlement in one transaction, one round trip."""
+    charged = held.charged(usage, refused)
+    pipe = limits.redis.pipeline(transaction=True)
+    tokens = held.reservation is not None and limits.queue_settle(pipe, held.reservation, charged)
+    if held.version is not None:
+        book.queue(pipe, held.key_id, held.model, held.version, usage)
+    if held.slot_id is not None:
+        pipe.zrem(names.inflight_key(held.key_id), held.slot_id)
+    if not len(pipe):
+        return
+    results = await pipe.execute(raise_on_error=False)
+    if tokens and isinstance(results[0], NoScriptError):  # a Redis that lost its scripts (a
+        await limits.settle_tokens(held.reservation, charged)  # restart): once more, loading it
+    elif failed := [r for r in results if isinstance(r, Exception)]:
+        log.warning("could not settle usage of key %s: %s", held.key_id, type(failed[0]).__name__)
+
+
+async def _in_steps(limits: Limits, book: UsageBook, held: Holdings, usage: dict | None,
+                    refused: bool) -> None:
     try:
         if held.reservation is not None:
             await limits.settle_tokens(held.reservation, held.charged(usage, refused))

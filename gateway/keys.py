@@ -23,6 +23,7 @@ BOOTSTRAP_IDS = tuple(key_id for _, key_id, _ in BOOTSTRAP)
 # Lua hands numbers back to Redis printed with 14 significant digits: limits stay below that, exact
 MAX_LIMIT = 10**12
 PRIORITY_BOUND = 100  # request priorities lie in [-100, 100]; lower is served first
+MIN_WEIGHT, MAX_WEIGHT = 0.01, 100.0  # a key's share under the workers' fair order (worker/fairness.py)
 MAX_MODELS = 256
 MAX_METADATA = 16
 ModelName = bounded(256)
@@ -46,6 +47,10 @@ class KeyLimits(BaseModel):
                                description="The best (lowest) request priority the key may ask "
                                "for; lower is served first. Default 0: a key may only lower its "
                                "own priority. Admin keys may ask any")
+    weight: float = Field(1.0, ge=MIN_WEIGHT, le=MAX_WEIGHT, description="The key's share of a "
+                          "busy worker against other keys: workers serve the key whose tokens "
+                          "(prompt + output) divided by its weight are fewest first, so weight 2 gets "
+                          "twice the tokens of weight 1 while both wait")
     cache_scope: CacheScope = Field("tenant", description="Whose prefix-cache hits this key's "
                                     "requests share: tenant (keys with the same owner; a key "
                                     "without one is its own tenant), key (only its own), shared "

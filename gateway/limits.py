@@ -1,29 +1,26 @@
 """Per-key limits, all counted in Redis so every gateway replica shares them exactly.
 
-- requests per minute: a moving window from the `limits` library (slowapi's engine), through its
-  asyncio storage (`limits.aio`, redis-py's asyncio client), because slowapi's own path calls
-  synchronous Redis from inside the event loop. The window's check-and-push is one Lua script.
-- requests in flight: a sorted set request id -> expiry, checked and added in one Lua script; a
-  member whose gateway died ages out at its expiry (the safety TTL).
+- requests per minute: a moving window, a sorted set of the minute's requests by Redis's clock.
+- requests in flight: a sorted set request id -> expiry; a member whose gateway died ages out at
+  its expiry (the safety TTL).
 - tokens per minute and per UTC day: a reservation (the estimate) checked against both and charged
-  to both in one Lua script at admission; the actual usage replaces it when the request ends.
+  to both at admission; the actual usage replaces it when the request ends.
+All of a request's admission is one Lua script on the key's `{k:}` slot (ADMIT): one round trip.
 """
 from __future__ import annotations
 
 import math
+import secrets
 import time
 from dataclasses import dataclass
 from enum import IntEnum
 
 import redis.asyncio as aioredis
-from limits import RateLimitItemPerMinute
-from limits.aio.strategies import MovingWindowRateLimiter
 
 from gateway.keys import KeyRecord
 from gateway.metrics import rate_limited
 from shared import names
 from shared.errors import RateLimited
-from shared.redis_client import rate_limit_storage
 from shared.settings import GatewaySettings
 from shared.usage import utc_day
 
@@ -31,64 +28,89 @@ WINDOW_S = 60
 DAY_TTL_S = 2 * 86400
 
 
-class Slot(IntEnum):
-    """What ACQUIRE_SLOT answers."""
-
-    FULL = 0  # the key has its cap of requests in flight
-    TAKEN = 1
-
-
-# KEYS: the key's in-flight set. ARGV: now, cap, expiry, slot id, key TTL (only ever lengthened:
-# requests of one key may have different time limits).
-ACQUIRE_SLOT = """
-local now = tonumber(ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[2]) then return %(full)d end
-redis.call('ZADD', KEYS[1], ARGV[3], ARGV[4])
-if redis.call('TTL', KEYS[1]) < tonumber(ARGV[5]) then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
-return %(taken)d
-""" % {"full": Slot.FULL, "taken": Slot.TAKEN}
-
-
-class Reserved(IntEnum):
-    """What RESERVE_TOKENS answers first: admitted, or the limit the request hit."""
+class Verdict(IntEnum):
+    """What ADMIT answers first: admitted, or the limit the request hit."""
 
     ADMITTED = 1
     OVER_TPM = 2
     OVER_DAILY = 3
+    OVER_RPM = 4
+    SLOT_FULL = 5  # the key has its cap of requests in flight
 
 
-# KEYS: tpm hash, daily counter. ARGV: estimate, tpm limit, daily limit (-1: none).
-# Returns {a Reserved, bucket second, tokens used in the window after this request, seconds until
-# enough of the window frees up (OVER_TPM only)}.
-RESERVE_TOKENS = """
-local now = tonumber(redis.call('TIME')[1])
-local est, tpm, daily = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local fields = redis.call('HGETALL', KEYS[1])
-local live, used = {}, 0
+# The key's whole admission in one round trip (every key in its `{k:}` slot): the token window
+# read (the x-ratelimit-*-tokens headers), then, each only when asked, a request counted in the
+# minute, a slot in flight taken, tokens reserved on the minute and the day. A refusal stops there:
+# what came before it stands (a request refused for its slot or its tokens still counted in the
+# minute, as it always did), nothing after it is taken.
+# KEYS: rpm window (sorted set member -> time), in-flight set, tpm hash, daily counter.
+# ARGV: rpm limit (-1: count no request), member, slot cap (-1: take none), gateway now, slot
+# expiry, slot key TTL (only ever lengthened: requests of one key may have different time limits),
+# estimate (-1: reserve nothing), tpm limit, daily limit (-1: none).
+# Returns {a Verdict, bucket second, tokens used in the window (after this request's estimate),
+# seconds until the token window frees (enough for the estimate, on OVER_TPM), requests in the
+# minute (after this one), ms until its oldest leaves the minute}.
+ADMIT = """
+local t = redis.call('TIME')
+local sec = tonumber(t[1])
+local now = sec + tonumber(t[2]) / 1000000
+local est, tpm, daily = tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local fields = redis.call('HGETALL', KEYS[3])
+local live, used, first = {}, 0, nil
 for i = 1, #fields, 2 do
-  local sec, n = tonumber(fields[i]), tonumber(fields[i + 1])
-  if sec <= now - %(window)d then redis.call('HDEL', KEYS[1], fields[i])
-  else used = used + n; live[#live + 1] = {sec, n} end
-end
-if used + est > tpm then
-  table.sort(live, function(a, b) return a[1] < b[1] end)
-  local wait, left = %(window)d, used
-  for _, b in ipairs(live) do
-    left = left - b[2]
-    if left + est <= tpm then wait = b[1] + %(window)d - now; break end
+  local s, n = tonumber(fields[i]), tonumber(fields[i + 1])
+  if s <= sec - %(window)d then redis.call('HDEL', KEYS[3], fields[i])
+  else
+    used = used + n; live[#live + 1] = {s, n}
+    if not first or s < first then first = s end
   end
-  return {%(over_tpm)d, now, used, wait}
 end
-local today = tonumber(redis.call('GET', KEYS[2]) or '0')
-if daily >= 0 and today + est > daily then return {%(over_daily)d, now, used, 0} end
-redis.call('HINCRBY', KEYS[1], now, est)
-redis.call('EXPIRE', KEYS[1], %(window)d * 2)
-redis.call('INCRBY', KEYS[2], est)
-redis.call('EXPIRE', KEYS[2], %(day_ttl)d)
-return {%(admitted)d, now, used + est, 0}
-""" % {"window": WINDOW_S, "day_ttl": DAY_TTL_S, "admitted": Reserved.ADMITTED,
-       "over_tpm": Reserved.OVER_TPM, "over_daily": Reserved.OVER_DAILY}
+local token_wait = first and (first + %(window)d - sec) or 0
+local rpm, count, rpm_wait = tonumber(ARGV[1]), 0, 0
+if rpm >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - %(window)d)
+  count = redis.call('ZCARD', KEYS[1])
+  local over = count >= rpm
+  if not over then
+    redis.call('ZADD', KEYS[1], now, ARGV[2])
+    redis.call('EXPIRE', KEYS[1], %(window)d)
+    count = count + 1
+  end
+  local oldest = tonumber(redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')[2] or now)
+  rpm_wait = math.floor((oldest + %(window)d - now) * 1000)
+  if over then return {%(over_rpm)d, sec, used, token_wait, count, rpm_wait} end
+end
+local cap = tonumber(ARGV[3])
+if cap >= 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+  if redis.call('ZCARD', KEYS[2]) >= cap then return {%(slot_full)d, sec, used, token_wait, count, rpm_wait} end
+end
+if est >= 0 then
+  if used + est > tpm then
+    table.sort(live, function(a, b) return a[1] < b[1] end)
+    local wait, left = %(window)d, used
+    for _, b in ipairs(live) do
+      left = left - b[2]
+      if left + est <= tpm then wait = b[1] + %(window)d - sec; break end
+    end
+    return {%(over_tpm)d, sec, used, wait, count, rpm_wait}
+  end
+  local today = tonumber(redis.call('GET', KEYS[4]) or '0')
+  if daily >= 0 and today + est > daily then return {%(over_daily)d, sec, used, %(window)d, count, rpm_wait} end
+  redis.call('HINCRBY', KEYS[3], sec, est)
+  redis.call('EXPIRE', KEYS[3], %(window)d * 2)
+  redis.call('INCRBY', KEYS[4], est)
+  redis.call('EXPIRE', KEYS[4], %(day_ttl)d)
+  used, token_wait = used + est, %(window)d
+end
+if cap >= 0 then
+  redis.call('ZADD', KEYS[2], ARGV[5], ARGV[2])
+  if redis.call('TTL', KEYS[2]) < tonumber(ARGV[6]) then redis.call('EXPIRE', KEYS[2], ARGV[6]) end
+end
+return {%(admitted)d, sec, used, token_wait, count, rpm_wait}
+""" % {"window": WINDOW_S, "day_ttl": DAY_TTL_S, "admitted": Verdict.ADMITTED,
+       "over_tpm": Verdict.OVER_TPM, "over_daily": Verdict.OVER_DAILY, "over_rpm": Verdict.OVER_RPM,
+       "slot_full": Verdict.SLOT_FULL}
 
 # KEYS: tpm hash, daily counter. ARGV: admission bucket, actual - estimate.
 SETTLE_TOKENS = """
@@ -125,13 +147,21 @@ def duration(seconds: float) -> str:
     return f"{s // 60}m{s % 60}s" if s >= 60 else f"{s}s"
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What the key's admission took: a slot in flight (False: none taken or the key has no cap),
+    a token reservation (None: none asked), and the x-ratelimit-* headers it answers with."""
+
+    slot: bool
+    reservation: Reservation | None
+    headers: dict[str, str]
+
+
 class Limits:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings):
         self.redis = redis
         self.settings = settings
-        self.rpm_window = MovingWindowRateLimiter(rate_limit_storage(redis, names.RPM_PREFIX))
-        self._acquire_slot = redis.register_script(ACQUIRE_SLOT)
-        self._reserve = redis.register_script(RESERVE_TOKENS)
+        self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE_TOKENS)
 
     def rpm(self, key: KeyRecord) -> int:
@@ -140,68 +170,51 @@ class Limits:
     def tpm(self, key: KeyRecord) -> int:
         return key.tpm or self.settings.default_tpm
 
-    # -- requests per minute ---------------------------------------------------------------
-    async def count_request(self, key: KeyRecord) -> dict[str, str]:
-        """Admit one request into the key's minute or raise 429; the x-ratelimit-*-requests headers."""
-        item = RateLimitItemPerMinute(self.rpm(key))
-        admitted = await self.rpm_window.hit(item, key.id)
-        stats = await self.rpm_window.get_window_stats(item, key.id)
-        wait = max(0.0, stats.reset_time - time.time())
-        headers = {"x-ratelimit-limit-requests": str(item.amount),
-                   "x-ratelimit-remaining-requests": str(stats.remaining),
-                   "x-ratelimit-reset-requests": duration(wait)}
-        if not admitted:
-            rate_limited("rpm")
-            raise RateLimited(  # a 429 still tells the client where it stands: the headers
-                f"Rate limit reached for key '{key.name}' on requests per minute (RPM): "
-                f"Limit {item.amount}, Used {item.amount}, Requested 1. "
-                f"Please try again in {duration(wait)}.", retry_after=wait, headers=headers)
-        return headers
-
-    # -- requests in flight ----------------------------------------------------------------
-    async def acquire_slot(self, key: KeyRecord, request_id: str, total_s: float | None = None) -> bool:
-        """Take one of the key's in-flight slots, or raise 429. False when the key has no cap.
-        `total_s`: the request's time limit (default KVGATE_REQUEST_TIMEOUT_S)."""
-        if key.max_concurrent is None:
-            return False
+    async def admit(self, key: KeyRecord, count: bool = False, slot_id: str | None = None,
+                    total_s: float | None = None, estimate: int | None = None) -> Admission:
+        """The key's limits in one round trip: a request counted in its minute (`count`), a slot
+        in flight taken (`slot_id`; `total_s` the request's time limit, default
+        KVGATE_REQUEST_TIMEOUT_S), `estimate` tokens reserved on its minute and day; or 429
+        naming the limit hit, with the headers. The token headers come back either way."""
         now, total_s = time.time(), total_s or self.settings.request_timeout_s
-        expires = now + total_s + 60  # outlives the request
-        slot = await self._acquire_slot(keys=[names.inflight_key(key.id)],
-                                      args=[now, key.max_concurrent, expires, request_id,
-                                            int(total_s) + 120])
-        if slot == Slot.FULL:
-            rate_limited("concurrency")
-            raise RateLimited(f"Too many concurrent requests for key '{key.name}': "
-                              f"Limit {key.max_concurrent} in flight. Retry when one finishes.",
-                              retry_after=1)
-        return True
+        cap = key.max_concurrent if slot_id is not None and key.max_concurrent is not None else -1
+        member = slot_id or secrets.token_hex(8)
+        tpm, rpm = self.tpm(key), self.rpm(key)
+        verdict, bucket, used, token_wait, requests, rpm_wait_ms = await self._admit(
+            keys=[names.rpm_key(key.id), names.inflight_key(key.id), names.tpm_key(key.id),
+                  names.daily_tokens_key(key.id, utc_day(now))],
+            args=[rpm if count else -1, member, cap, now, now + total_s + 60, int(total_s) + 120,
+                  -1 if estimate is None else estimate, tpm,
+                  key.daily_tokens if key.daily_tokens is not None else -1])
+        headers = self.token_headers(tpm, used, token_wait)
+        if count:
+            headers |= {"x-ratelimit-limit-requests": str(rpm),
+                        "x-ratelimit-remaining-requests": str(max(0, rpm - requests)),
+                        "x-ratelimit-reset-requests": duration(rpm_wait_ms / 1000)}
+        if verdict != Verdict.ADMITTED:
+            raise _refusal(Verdict(verdict), key, headers, now, rpm=rpm, tpm=tpm, used=used,
+                           estimate=estimate, wait=rpm_wait_ms / 1000 if verdict == Verdict.OVER_RPM
+                           else token_wait)
+        reservation = (Reservation(key.id, int(bucket), utc_day(now), estimate)
+                       if estimate is not None else None)
+        return Admission(cap >= 0, reservation, headers)
+
+    # -- one limit at a time (files, tests): each is `admit` asked for one thing ----------------
+    async def count_request(self, key: KeyRecord) -> dict[str, str]:
+        """Admit one request into the key's minute or raise 429; the x-ratelimit-* headers."""
+        return (await self.admit(key, count=True)).headers
+
+    async def acquire_slot(self, key: KeyRecord, request_id: str, total_s: float | None = None) -> bool:
+        """Take one of the key's in-flight slots, or raise 429. False when the key has no cap."""
+        return (await self.admit(key, slot_id=request_id, total_s=total_s)).slot
 
     async def release_slot(self, key: KeyRecord, request_id: str) -> None:
         await self.redis.zrem(names.inflight_key(key.id), request_id)
 
-    # -- tokens per minute and per day -----------------------------------------------------
     async def reserve_tokens(self, key: KeyRecord, estimate: int) -> tuple[Reservation, dict[str, str]]:
         """Charge `estimate` tokens to the key's minute and day, or raise 429 naming the limit."""
-        now = time.time()
-        day = utc_day(now)
-        tpm = self.tpm(key)
-        outcome, bucket, used, wait = await self._reserve(
-            keys=[names.tpm_key(key.id), names.daily_tokens_key(key.id, day)],
-            args=[estimate, tpm, key.daily_tokens if key.daily_tokens is not None else -1])
-        headers = self.token_headers(tpm, used, wait if outcome == Reserved.OVER_TPM else WINDOW_S)
-        if outcome == Reserved.OVER_TPM:
-            rate_limited("tpm")
-            raise RateLimited(
-                f"Rate limit reached for key '{key.name}' on tokens per minute (TPM): "
-                f"Limit {tpm}, Used {used}, Requested {estimate}. "
-                f"Please try again in {duration(wait)}.", retry_after=wait, headers=headers)
-        if outcome == Reserved.OVER_DAILY:
-            rate_limited("daily")
-            raise RateLimited(
-                f"Daily token budget of key '{key.name}' exhausted: Limit {key.daily_tokens}, "
-                f"Requested {estimate}. It resets at 00:00 UTC.",
-                code="insufficient_quota", retry_after=seconds_to_midnight(now), headers=headers)
-        return Reservation(key.id, int(bucket), day, estimate), headers
+        admission = await self.admit(key, estimate=estimate)
+        return admission.reservation, admission.headers
 
     async def settle_tokens(self, reservation: Reservation, actual: int) -> None:
         """Replace the reservation by what the request actually used (a refund when less)."""
@@ -211,16 +224,49 @@ class Limits:
                                      names.daily_tokens_key(reservation.key_id, reservation.day)],
                                args=[reservation.bucket, delta])
 
+    def queue_settle(self, pipe, reservation: Reservation, actual: int) -> bool:
+        """`settle_tokens` queued on a pipeline (by its sha: a pipeline of Script objects would ask
+        Redis whether they are loaded first, a round trip); False when nothing is to settle."""
+        delta = actual - reservation.estimate
+        if delta:
+            pipe.evalsha(self._settle.sha, 2, names.tpm_key(reservation.key_id),
+                         names.daily_tokens_key(reservation.key_id, reservation.day),
+                         reservation.bucket, delta)
+        return bool(delta)
+
     async def token_window(self, key: KeyRecord) -> dict[str, str]:
-        """The x-ratelimit-*-tokens headers from the key's last minute (read only)."""
-        now = time.time()
-        fields = await self.redis.hgetall(names.tpm_key(key.id))
-        live = {int(s): int(n) for s, n in fields.items() if int(s) > now - WINDOW_S}
-        wait = min(live) + WINDOW_S - now if live else 0.0
-        return self.token_headers(self.tpm(key), sum(live.values()), wait)
+        """The x-ratelimit-*-tokens headers from the key's last minute."""
+        return (await self.admit(key)).headers
 
     @staticmethod
     def token_headers(limit: int, used: int, reset_s: float) -> dict[str, str]:
         return {"x-ratelimit-limit-tokens": str(limit),
                 "x-ratelimit-remaining-tokens": str(max(0, limit - used)),
                 "x-ratelimit-reset-tokens": duration(reset_s)}
+
+
+def _refusal(verdict: Verdict, key: KeyRecord, headers: dict[str, str], now: float, *, rpm: int,
+             tpm: int, used: int, estimate: int | None, wait: float) -> RateLimited:
+    """The 429 of the limit a request hit, worded as OpenAI words it, with where the key stands."""
+    if verdict == Verdict.OVER_RPM:
+        rate_limited("rpm")
+        return RateLimited(  # a 429 still tells the client where it stands: the headers
+            f"Rate limit reached for key '{key.name}' on requests per minute (RPM): "
+            f"Limit {rpm}, Used {rpm}, Requested 1. "
+            f"Please try again in {duration(wait)}.", retry_after=wait, headers=headers)
+    if verdict == Verdict.SLOT_FULL:
+        rate_limited("concurrency")
+        return RateLimited(f"Too many concurrent requests for key '{key.name}': "
+                           f"Limit {key.max_concurrent} in flight. Retry when one finishes.",
+                           retry_after=1, headers=headers)
+    if verdict == Verdict.OVER_TPM:
+        rate_limited("tpm")
+        return RateLimited(
+            f"Rate limit reached for key '{key.name}' on tokens per minute (TPM): "
+            f"Limit {tpm}, Used {used}, Requested {estimate}. "
+            f"Please try again in {duration(wait)}.", retry_after=wait, headers=headers)
+    rate_limited("daily")
+    return RateLimited(
+        f"Daily token budget of key '{key.name}' exhausted: Limit {key.daily_tokens}, "
+        f"Requested {estimate}. It resets at 00:00 UTC.",
+        code="insufficient_quota", retry_after=seconds_to_midnight(now), headers=headers)

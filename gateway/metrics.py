@@ -49,6 +49,9 @@ STREAMS = Gauge("kvgate_gateway_streams_in_flight", "SSE streams open to clients
 LOOP_LAG = Gauge("kvgate_gateway_event_loop_lag_seconds", "How late this process's event loop ran "
                  "a timer, worst of the last 5 s (gateway/loop_lag.py): every request on it waits "
                  "as long", multiprocess_mode="livemax")
+REDIS_CONNECTIONS = Gauge("kvgate_gateway_redis_connections", "This process's pooled Redis connections, "
+                          "idle or in use (idle ones close after KVGATE_REDIS_IDLE_TIMEOUT_S)",
+                          ["state"], multiprocess_mode="livesum")
 for _limit in LIMITS:  # every limit has a series from the start
     RATE_LIMITED.labels(_limit)
 

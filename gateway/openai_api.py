@@ -3,7 +3,6 @@ refuse what kvgate would ignore → check the key may use the model → route �
 tools and constraint → reserve tokens → dispatch → respond."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import secrets
@@ -17,8 +16,9 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from gateway import estimate, resume, structured, tool_calls
+from gateway import client_wait, estimate, resume, structured, tool_calls
 from gateway.admission import Admitted, Lease, admit, set_ratelimit_headers
+from gateway.breaker import Refused
 from gateway.deps import StateDep
 from gateway.dispatch import KEEPALIVE, Handle, LogFollower, Lookahead
 from gateway.holdings import Holdings
@@ -36,7 +36,6 @@ from shared.errors import InvalidRequest, KvgateError, NotFound
 log = logging.getLogger("kvgate.gateway")
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
-DISCONNECT_POLL_S = 1.0  # how often a non-streamed request checks that its client is still there
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ async def resume_stream(request_id: str, lease: Admitted, state: StateDep,
 
 async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call):
     if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)
-        return await _resume(state, lease, *resume.point(request.headers[resume.HEADER]))
+        return await resume_request(request, state, lease)
     answer = await open_answer(request, state, lease, call)
     if call.body.stream:
         return await _stream(request, state, lease, answer, call)
@@ -128,7 +127,7 @@ async def _serve(request: Request, state: GatewayState, lease: Lease, call: Call
 
 
 async def open_answer(request: Request, state: GatewayState, lease: Lease, call: Call) -> Answer:
-    """Every check, the reservation and the dispatch of one call; its replies come back through
+    """Every check, the admission and the dispatch of one call; its replies come back through
     the answer. The one request path: other APIs translate to a `Call` and render the answer."""
     body = call.body
     check_supported(body)
@@ -136,22 +135,23 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     check_model_allowed(lease.key, body.model)
     lease.key.check_priority(body.priority)
     check_output_limits(body.min_tokens, body.limit())
-    outcome = await state.router.choose(body.model, lease.key, request.headers.get(VERSION_HEADER))
-    version = outcome.version
-    facts = await state.registry.facts(body.model, version)
-    check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids, body.logit_bias)
-    check_context(facts.max_model_len, body.limit(), call.prompt)
-    outputs = _outputs(call, facts.tool_call_parser)
+    forced = request.headers.get(VERSION_HEADER)
+    # the version's breaker is passed at the XADD, in its round trip
+    outcome = await state.router.choose(body.model, lease.key, forced, through_breaker=False)
+    facts, outputs, entry = await _prepared(state, lease, call, outcome.version)
     if constraint is not None:
         await structured.check(constraint, state.settings.grammar_check_timeout_s)
-    entry = _entry(state, lease, call, version)
-    check_peer_features(entry, facts.schema)
-    await _reserve_tokens(request, state, lease, call, facts.max_model_len)
+    await _admit(request, state, lease, call, facts.max_model_len)
     logs.rename_request(entry.request_id)
-    handle = await state.dispatcher.submit(names.request_stream(body.model, version, lease.lane), entry,
-                                           interactive=lease.lane == names.DEFAULT_LANE,
-                                           schema=facts.schema, probe=outcome.probe,
-                                           timeouts=lease.timeouts)
+    try:
+        handle = await _submit(state, lease, entry, facts, outcome, gate=True)
+    except Refused:  # a canary's request goes to its stable version, or the 503 stands
+        outcome = await state.router.past_breaker(outcome, forced is not None)
+        if outcome.version != entry.version:
+            facts, outputs, entry = await _prepared(state, lease, call, outcome.version)
+            logs.rename_request(entry.request_id)
+        handle = await _submit(state, lease, entry, facts, outcome, gate=False)
+    version = outcome.version
     lease.dispatched(body.model, handle, outcome)
     handle.on_absorbed = outcome.absorbed
     return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
@@ -159,58 +159,72 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
                   {VERSION_HEADER: version, "x-request-id": entry.request_id})
 
 
+async def _prepared(state: GatewayState, lease: Lease, call: Call, version: str):
+    """What serving `call` from `version` takes: its workers' facts, the checks against them, the
+    outputs' readers and the entry to queue."""
+    body = call.body
+    facts = await state.registry.facts(body.model, version)
+    check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids, body.logit_bias)
+    check_context(facts.max_model_len, body.limit(), call.prompt)
+    outputs = _outputs(call, facts.tool_call_parser)
+    entry = _entry(state, lease, call, version)
+    check_peer_features(entry, facts.schema)
+    return facts, outputs, entry
+
+
+async def _submit(state: GatewayState, lease: Lease, entry: protocol.RequestEntry, facts, outcome,
+                  gate: bool) -> Handle:
+    stream = names.request_stream(entry.model, entry.version, lease.lane)
+    return await state.dispatcher.submit(stream, entry, interactive=lease.lane == names.DEFAULT_LANE,
+                                         schema=facts.schema, probe=outcome.probe,
+                                         timeouts=lease.timeouts, gate=gate)
+
+
 async def _whole(request: Request, lease: Lease, answer: Answer) -> Response:
     """`stream: false`: one JSON body once the request is done."""
     try:
-        result = await _unless_gone(request, _collect(answer.replies, answer.shape))
+        result = await client_wait.unless_gone(request, _collect(answer.replies, answer.shape))
     except KvgateError as exc:  # an error the version answered with still names it (and the id)
-        raise exc.with_headers(answer.headers)
+        raise exc.with_headers(client_wait.named(answer))
     finally:
         answer.handle.close("client_gone")
     if result is None:  # the client left: nobody to answer (the close above cancelled the request)
         return Response(status_code=499)
     lease.finished(result["usage"])
-    return JSONResponse(result, headers=answer.headers)
+    return JSONResponse(result, headers=client_wait.named(answer))
 
 
 async def _stream(request: Request, state: GatewayState, lease: Lease, answer: Answer,
                   call: Call) -> Response:
     """The 200 goes out once the worker admitted the request (its first reply) or after
-    KVGATE_ADMISSION_WAIT_S, whichever is first: a refusal before then is an HTTP error with its
-    status, even for `stream: true`; one after it is an SSE error event. Before the 200, the
+    KVGATE_ADMISSION_WAIT_S, whichever is first (gateway/client_wait.py). Before the 200, the
     stream's holdings go to Redis, so that it can be resumed, and settled, at any gateway."""
-    wait_s = state.settings.admission_wait_s
-    ahead, gone, here = Lookahead(answer.replies), asyncio.ensure_future(_disconnect(request)), False
-    try:
-        here = await ahead.wait_first(wait_s, gone)
-    except KvgateError as exc:
-        raise exc.with_headers(answer.headers)
-    finally:
-        gone.cancel()
-        if not here:  # refused, or the client left: the close cancels what may still run
-            ahead.cancel()
-            answer.handle.close("not_started")
-    if not here:
+    ahead = await client_wait.first_reply(request, answer, state.settings.admission_wait_s)
+    if ahead is None:
         return Response(status_code=499)
-    await _hold(state, lease, answer, call)
+    await hold(state, lease, answer, call)
     gen = _sse(answer, ahead, lease, call.include_usage())
     # the close also runs if the client left before the generator ever started (its `finally`
     # would not): the request is cancelled and its reply queue released either way
     return StreamingResponse(gen, media_type="text/event-stream",
-                             headers={**SSE_HEADERS, **answer.headers},
+                             headers={**SSE_HEADERS, **client_wait.named(answer)},
                              background=BackgroundTask(answer.handle.close, "client_disconnected"))
 
 
-async def _hold(state: GatewayState, lease: Lease, answer: Answer, call: Call) -> None:
+async def hold(state: GatewayState, lease: Lease, answer: Answer, call: Call,
+               api: dict | None = None) -> None:
     """Writes the stream's lease (gateway/stream_leases.py); if Redis will not take it, the stream
-    goes on unresumable and is settled here, as before."""
+    goes on unresumable and is settled here, as before. `api`: another API's renderer, as
+    `{"api": name, "render": what rebuilds it}` (gateway/answer_io.py)."""
     body, handle = call.body, answer.handle
     chat = call.kind == "chat"
     parser = ((await state.registry.facts(body.model, lease.version)).tool_call_parser
               if chat and body.tools else None)
     spec = resume.shape_spec(call.kind, body.model, body.n, answer.shape.created, call.include_usage(),
                              body.tools if chat else None, body.choice() if chat else None,
-                             body.parallel_tool_calls if chat else True, parser)
+                             body.parallel_tool_calls if chat else True, parser,
+                             answer.shape.echo.spec())
+    spec.update(api or {})
     stream = StreamLease(lease.key.id, answer.shape.id)
     try:
         await state.streams.open(stream, lease.holdings(), handle.deadline, spec, handle.request_id)
@@ -222,9 +236,20 @@ async def _hold(state: GatewayState, lease: Lease, answer: Answer, call: Call) -
     handle.on_attempt = lambda attempt_id: state.streams.follow(stream, attempt_id)
 
 
-async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int) -> Response:
+async def resume_request(request: Request, state: GatewayState, lease: Lease,
+                         api: str | None = None) -> Response:
+    """The rest of the stream a request's Last-Event-ID names, sent on the route it came by: a
+    stream of another API (`api`: None for chat and completions) is refused, not rendered in the
+    wrong shape."""
+    request_id, after = resume.point(request.headers[resume.HEADER])
+    return await _resume(state, lease, request_id, after, api or "")
+
+
+async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int,
+                  api: str | None = None) -> Response:
     """The events of this key's stream `request_id` after sequence `after`, rebuilt from its reply
-    log; this gateway takes over its settlement unless it is over and settled already."""
+    log; this gateway takes over its settlement unless it is over and settled already. `api`: the
+    API the stream must be of (None: any, as /v1/streams serves every API's)."""
     stream = StreamLease(lease.key.id, request_id)
     record = await state.streams.find(stream)
     follower = LogFollower(state.dispatcher, record.get("follow", request_id) if record else request_id,
@@ -238,35 +263,41 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
                        "key's, cancelled after its client stayed away longer than "
                        "KVGATE_RESUME_GRACE_S, or older than its reply log",
                        param="Last-Event-ID", code="stream_not_found")
+    spec = orjson.loads(record["shape"])
+    if api is not None and spec.get("api", "") != api:
+        theirs = spec.get("api") or "chat or completions"
+        raise InvalidRequest(f"Last-Event-ID names a stream of another API ({theirs}); resume it on "
+                             "its own route, or with GET /v1/streams/<request id>",
+                             param="Last-Event-ID", code="invalid_last_event_id")
     if got == Attach.HELD:
         lease.adopt(stream, Holdings.from_fields(record), follower)
     follower.outlives_client = got == Attach.SETTLED or state.settings.resume_grace_s > 0
-    spec = orjson.loads(record["shape"])
-    shape = _Shape(spec["kind"], request_id, spec["model"], spec["n"], resume.outputs_of(spec))
+    shape = _Shape(spec["kind"], request_id, spec["model"], spec["n"], resume.outputs_of(spec),
+                   _Echo.from_spec(spec.get("echo")))
     shape.created = spec["created"]
     headers = {VERSION_HEADER: record["version"], "x-request-id": request_id}
-    answer = Answer(follower, follower.replies(state.settings.keepalive_s), shape, headers)
+    answer = Answer(follower, Lookahead(follower.replies(state.settings.keepalive_s)), shape, headers)
+    if spec.get("api"):  # another API's events (gateway/answer_io.py)
+        return await resume.RENDERS[spec["api"]](state, lease, answer, spec["render"], after)
     return StreamingResponse(_sse(answer, answer.replies, lease, spec["include_usage"], after),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
                              background=BackgroundTask(follower.close, "client_disconnected"))
 
 
-async def _disconnect(request: Request) -> None:
-    """Returns when the client has gone: its body is read, so that is all it can still say."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 @telemetry.traced("limits.tokens")
-async def _reserve_tokens(request: Request, state: GatewayState, lease: Lease, call: Call,
-                          max_model_len: int | None) -> None:
-    """Tokens per minute and per day: charge the estimate now; admission's teardown settles it."""
+async def _admit(request: Request, state: GatewayState, lease: Lease, call: Call,
+                 max_model_len: int | None) -> None:
+    """Tokens per minute and per day: charge the estimate now, with (for a generation admission
+    deferred to here) its request of the minute and its slot, in one script; admission's teardown
+    settles them."""
     body = call.body
     tokens = estimate.request_tokens(call.prompt, body.limit(), body.n, max_model_len,
                                      state.settings.default_reserve_tokens)
-    reservation, headers = await state.limits.reserve_tokens(lease.key, tokens)
-    lease.reserved(reservation)
-    set_ratelimit_headers(request, headers)
+    count = lease.deferred
+    admission = await state.limits.admit(lease.key, count=count, slot_id=lease.slot_id if count else None,
+                                         total_s=lease.timeouts.total_s, estimate=tokens)
+    lease.admitted(admission)
+    set_ratelimit_headers(request, admission.headers)
 
 
 def _outputs(call: Call, parser: str | None):
@@ -287,7 +318,7 @@ def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> proto
     return protocol.RequestEntry(
         request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel,
         model=body.model, version=version, kind=call.kind, params=body.to_sampling_params(),
-        created=now, deadline=now + _total_s(settings, lease), key_id=lease.key.id,
+        created=now, deadline=now + _total_s(settings, lease), key_id=lease.key.id, weight=lease.key.weight,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.cache_salt(), trace=telemetry.inject(),
         **call.prompt, **call.template)
@@ -316,6 +347,16 @@ class _Echo:
             return cls()
         return cls(body.prompt if body.echo else None, body.echo and body.logprobs is not None,
                    body.prompt_logprobs is not None)
+
+    def spec(self) -> dict | None:
+        """What a resumed stream needs of it (gateway/resume.py); None: nothing to echo."""
+        if self.text is None and not self.with_logprobs and not self.vllm_field:
+            return None
+        return {"text": self.text, "with_logprobs": self.with_logprobs, "vllm_field": self.vllm_field}
+
+    @classmethod
+    def from_spec(cls, spec: dict | None) -> _Echo:
+        return cls(**spec) if spec else cls()
 
     def text_of(self, index: int, text: str) -> str:
         """A streamed choice's text: its first chunk starts with the prompt."""
@@ -478,19 +519,6 @@ async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:
         elif isinstance(reply, protocol.Done):
             return shape.final(texts, reasons, logprobs, _usage(reply), reasoning)
     raise AssertionError("reply stream ended without done")  # pragma: no cover
-
-
-async def _unless_gone(request: Request, work) -> dict | None:
-    """The result of `work`, or None as soon as the client has gone: a non-streamed request is
-    cancelled when its client leaves, as a streamed one is (a batch's cancel relies on it)."""
-    task = asyncio.ensure_future(work)
-    try:
-        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                return None
-        return task.result()
-    finally:
-        task.cancel()
 
 
 def _event(obj: Any, event_id: bytes = b"") -> bytes:

@@ -15,6 +15,7 @@ from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
 from gateway.loop_lag import LoopLag
+from gateway.pool_trim import PoolTrim
 from gateway.registry import Registry
 from gateway.rescue import Rescuer
 from gateway.retry import Retarget
@@ -45,6 +46,7 @@ class GatewayState:
     dispatcher: Dispatcher
     streams: StreamLeases  # streams that outlive their client or their gateway, settled once
     loop_lag: LoopLag
+    pool_trim: PoolTrim  # a burst's Redis connections close once idle
 
     @classmethod
     def connect(cls, settings: GatewaySettings, throttle: Throttle) -> GatewayState:
@@ -70,16 +72,19 @@ class GatewayState:
             dispatcher=dispatcher,
             streams=StreamLeases(client, settings.gateway_id, settings.resume_grace_s, limits, usage,
                                  dispatcher.cancel_soon),
-            loop_lag=LoopLag())
+            loop_lag=LoopLag(),
+            pool_trim=PoolTrim(getattr(client, "connection_pool", None), settings.redis_idle_timeout_s))
 
     async def start(self) -> None:
         await self.dispatcher.start()  # subscribed before any request can be dispatched
         await self.rescuer.start()
         await self.streams.start()
         self.loop_lag.start()
+        self.pool_trim.start()
 
     async def stop(self) -> None:
         self.loop_lag.stop()
+        self.pool_trim.stop()
         await self.streams.stop()
         await self.rescuer.stop()
         await self.dispatcher.stop()

@@ -37,6 +37,9 @@ def limit_options(func):
         click.option("--best-priority", type=click.IntRange(-100, 100),
                      help="Best (lowest) request priority the key may ask for; lower is served "
                      "first (default 0: it may only lower its own)"),
+        click.option("--weight", type=click.FloatRange(0.01, 100),
+                     help="The key's share of a busy worker against other keys (default 1; 2: "
+                     "twice the tokens of a weight-1 key while both wait)"),
         click.option("--cache-scope", type=click.Choice(["tenant", "key", "shared"]),
                      help="Whose prefix-cache hits the key shares: tenant (same owner; the "
                      "default), key (only its own), shared (every shared key)"),

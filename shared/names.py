@@ -90,7 +90,10 @@ def key_digest(digest: str) -> str:
     return f"{PREFIX}:keydigest:{digest}"
 
 
-RPM_PREFIX = f"{PREFIX}:rpm"  # prefix of the moving-window lists `limits` keeps per key (with TTLs)
+def rpm_key(key_id: str) -> str:
+    """Sorted set request -> time: a key's requests of the last minute (the moving window; TTL).
+    `{k:}`: beside its slots and tokens, so a request's admission is one script."""
+    return f"{PREFIX}:rpm:{key_tag(key_id)}"
 
 
 def inflight_key(key_id: str) -> str:

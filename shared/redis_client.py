@@ -10,13 +10,13 @@ the code path above this module is one.
 from __future__ import annotations
 
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import redis
 import redis.asyncio as aioredis
-from limits.aio.storage import RedisStorage
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.asyncio.sentinel import Sentinel as AsyncSentinel
 from redis.cluster import RedisCluster
@@ -98,9 +98,40 @@ def async_client(settings: CommonSettings, max_connections: int | None = None,
     if max_connections is None:
         return aioredis.Redis.from_url(url, **options, **_tls(settings, url))
     retry = {k: options.pop(k) for k in ("retry", "retry_on_error") if k in options}
-    pool = aioredis.BlockingConnectionPool.from_url(url, max_connections=max_connections, timeout=5,
+    pool = IdleClosingPool.from_url(url, max_connections=max_connections, timeout=5,
                                                     **options, **_tls(settings, url))
     return aioredis.Redis(connection_pool=pool, **retry)
+
+
+class IdleClosingPool(aioredis.BlockingConnectionPool):
+    """A blocking pool that can close the connections a burst opened once they sit idle: redis-py's
+    pools never shrink, and Redis keeps buffers for every open client, so a gateway's burst would
+    otherwise hold its peak of connections (and their memory in Redis) for the process's life. The
+    pool hands out its most recently released connection first, so under a steady load the same few
+    stay busy and the rest go idle, to be closed by `close_idle`."""
+
+    async def release(self, connection: Any) -> None:
+        connection.kvgate_idle_since = time.monotonic()
+        await super().release(connection)
+
+    async def close_idle(self, idle_s: float) -> int:
+        """Close and drop the connections released more than `idle_s` ago; returns how many. They
+        leave the free list before the first await, so no caller can be handed one meanwhile; a
+        later burst opens new ones up to `max_connections` as ever."""
+        cutoff = time.monotonic() - idle_s
+        free = self._available_connections
+        stale = [c for c in free if getattr(c, "kvgate_idle_since", cutoff) < cutoff]
+        if not stale:
+            return 0
+        gone = {id(c) for c in stale}
+        self._available_connections[:] = [c for c in free if id(c) not in gone]
+        for connection in stale:
+            await connection.disconnect()
+        return len(stale)
+
+    def counts(self) -> tuple[int, int]:
+        """(idle, in use) connections of this pool, open or not yet reconnected."""
+        return len(self._available_connections), len(self._in_use_connections)
 
 
 def is_cluster(client: Any) -> bool:
@@ -133,17 +164,6 @@ async def in_steps(client: aioredis.Redis, *steps: Callable[[Any], Any]) -> None
         pipe = client.pipeline(transaction=True)
         step(pipe)
         await pipe.execute()
-
-
-def rate_limit_storage(client: aioredis.Redis, key_prefix: str) -> RedisStorage:
-    """`limits`' asyncio storage over our own client (any mode): built on a placeholder URL, then
-    its bridge pointed at the client, so the rate limiter never opens connections of its own."""
-    storage = RedisStorage("async+redis://127.0.0.1:1", implementation="redispy",
-                           key_prefix=key_prefix)
-    storage.bridge.storage = client
-    storage.bridge.connection_getter = lambda _readonly: client
-    storage.bridge.register_scripts()
-    return storage
 
 
 def broker_url(settings: CommonSettings) -> str:

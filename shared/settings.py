@@ -65,6 +65,12 @@ class FilesSettings(CommonSettings):
 class GatewaySettings(FilesSettings):
     host: str = Field("127.0.0.1", description="Bind address (loopback by default)")
     port: int = Field(8000, description="HTTP port")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="uvicorn's event loop for the gateway (`--loop`): auto takes uvloop "
+        "when installed (uvicorn[standard] installs it); asyncio is the standard library's")
+    http_parser: Literal["auto", "httptools", "h11"] = Field(
+        "auto", description="uvicorn's HTTP/1.1 implementation for the gateway (`--http`): auto "
+        "takes httptools when installed; h11 is pure Python")
     ssl_certfile: Path | None = Field(None, description="TLS: the gateway's certificate chain "
                                       "(PEM); with KVGATE_SSL_KEYFILE the port speaks HTTPS only")
     ssl_keyfile: Path | None = Field(None, description="TLS: the private key of "
@@ -75,6 +81,8 @@ class GatewaySettings(FilesSettings):
     default_rpm: int = Field(10_000, ge=1, description="Requests per minute of a key that sets none")
     default_tpm: int = Field(10_000_000, ge=1, description="Tokens per minute of a key that sets none")
     redis_max_connections: int = Field(256, ge=2, description="Redis connections per gateway process")
+    redis_idle_timeout_s: float = Field(30.0, ge=0, description="Seconds a pooled Redis connection of a "
+                                        "gateway may sit idle before it is closed (0: never)")
     usage_retention_days: int = Field(400, ge=1, description="Days per-key usage counters are kept")
     gateway_id: str = Field(default_factory=lambda: secrets.token_hex(6),
                             description="Names this process's reply channel")
@@ -188,6 +196,11 @@ class WorkerSettings(CommonSettings):
                                       "worker half the cores, shared with gateway, Redis, Celery)")
     attention_backend: str = Field("auto", description="auto (triton on CUDA, torch on CPU), torch "
                                    "or triton")
+    cpu_linear_kernel: str = Field("auto", description="The linears' GEMM path on CPU: auto "
+                                   "(oneDNN or MKL, row-major or transposed weights: timed at load "
+                                   "on the model's shapes, fp32 on CPU) or one of onednn, aten, "
+                                   "onednn_t, aten_t (forced; `kvgate_engine_kernel_info` says "
+                                   "which ran)")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "
                                 "are captured at start-up)")
     reasoning_parser: str | None = Field(None, description="How the model marks its thinking "
@@ -206,6 +219,17 @@ class WorkerSettings(CommonSettings):
     tensor_parallel_timeout_s: float = Field(60.0, gt=0, description="A tensor-parallel collective "
                                              "that waits longer fails, and the worker stops all its "
                                              "ranks and exits non-zero (a dead rank stops it at once)")
+    fair_order: bool = Field(True, description="Admit queued requests token-fairly across tenants "
+                             "(API keys): within a priority, the tenant served the fewest tokens "
+                             "(divided by its key's weight) goes first (worker/fairness.py); false: "
+                             "first in, first out")
+    fair_yield: bool = Field(True, description="Under the fair order on the paged engine, a full "
+                             "batch makes room for a tenant below its weighted share of the sequence "
+                             "slots: a tenant above its share, served more, yields one sequence "
+                             "(preempted, recomputed later); false: it waits for a slot to free")
+    fair_lookahead: int = Field(64, ge=1, le=4096, description="Under the fair order, entries per lane "
+                                "the worker reads ahead of its engine's room so it can choose (they "
+                                "stay pending in Redis: a crash loses none)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")

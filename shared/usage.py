@@ -49,6 +49,22 @@ class UsageBook:
         if cluster:  # three slots: the day is indexed before it is counted (a failure between
             await pipe.execute()  # leaves a day indexed with nothing to count, never the reverse)
             pipe = self.redis.pipeline(transaction=True)
+        self._count(pipe, hash_key, field, usage)
+        await pipe.execute()
+
+    def queue(self, pipe, key_id: str, model: str, version: str, usage: dict | None,
+              now: float | None = None) -> None:
+        """`record`'s commands queued on a transaction of one Redis (not a cluster), so that a
+        request's settlement is one round trip (gateway/holdings.py)."""
+        now = time.time() if now is None else now
+        day = utc_day(now)
+        pipe.sadd(names.usage_day_index(day), key_id)
+        pipe.expire(names.usage_day_index(day), self.ttl_s)
+        pipe.zadd(names.USAGE_DAYS_TO_FOLD, {day: now - now % _DAY_S + _DAY_S}, nx=True)
+        pipe.expire(names.USAGE_DAYS_TO_FOLD, self.ttl_s)
+        self._count(pipe, names.usage_key(key_id, day), f"{model}|{version}|", usage)
+
+    def _count(self, pipe, hash_key: str, field: str, usage: dict | None) -> None:
         pipe.hincrby(hash_key, field + "requests", 1)
         if usage is None:
             pipe.hincrby(hash_key, field + "errors", 1)
@@ -56,7 +72,6 @@ class UsageBook:
             pipe.hincrby(hash_key, field + "prompt_tokens", usage["prompt_tokens"])
             pipe.hincrby(hash_key, field + "completion_tokens", usage["completion_tokens"])
         pipe.expire(hash_key, self.ttl_s)
-        await pipe.execute()
 
     def window_start(self, since: float, now: float | None = None) -> float:
         """`since`, or the oldest time the retention still keeps counters for if that is later:

@@ -119,3 +119,28 @@ def wire_entry(request_id: str, channel: str, max_tokens: int = 8, **fields):
     return protocol.RequestEntry(request_id=request_id, reply_channel=channel, model="demo",
                                  version="v1", kind="completion", created=now, deadline=now + 60,
                                  params=params, **fields)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model_dir):
+    """The bare baseline server of the serving benchmarks (kvgate/bench/baseline.py) on the tiny
+    model, behind the key `sk-base`: its URL."""
+    import httpx
+
+    from shared.redis_server import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvgate.bench.baseline", "--model", str(tiny_model_dir),
+                             "--port", str(port)], env={**os.environ, "KVGATE_BASELINE_API_KEY": "sk-base"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            httpx.get(url + "/healthz", timeout=1)
+            break
+        except httpx.HTTPError:
+            assert proc.poll() is None and time.monotonic() < deadline, "the baseline did not start"
+            time.sleep(0.2)
+    yield url
+    stop_stack(proc)

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from shared import errors, names, protocol
 from shared.redis_errors import REDIS_ERRORS
 from shared.settings import WorkerSettings
-from worker import checkpoint
+from worker import checkpoint, tokenizer_kinds
 from worker.consumer import PendingEntry
 from worker.engine.types import EngineRejected, Resume, SamplingParams
 from worker.faults import Faults
@@ -57,6 +57,9 @@ class Admission:
             return
         if refusal := self._refusal(entry, ckpt, p.times_delivered):
             self._fail(p, entry, ckpt, *refusal)
+            return
+        if entry.kind in protocol.TOKENIZER_KINDS:  # /tokenize, /detokenize: the engine never sees it
+            self._answer_from_tokenizer(p, entry, ckpt)
             return
         self.faults.delay()
         self._add(p, entry, ckpt)
@@ -156,6 +159,28 @@ class Admission:
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
             self.outbox.reply(entry.reply_channel, protocol.Delta(request_id=rid, seq=act.next_seq()),
                               entry.v)
+
+    def _answer_from_tokenizer(self, p: PendingEntry, entry: protocol.RequestEntry,
+                               ckpt: checkpoint.Checkpoint) -> None:
+        """Its answer, then done (the tokens counted as prompt, none generated), acknowledged at
+        once; an input the tokenizer or template refuses fails alone, as at `_add`."""
+        rid = entry.request_id
+        try:
+            delta, counted = tokenizer_kinds.answer(self.tokenizer, entry, ckpt.last_seq + 1,
+                                                    self.engine.max_model_len)
+        except EngineRejected as exc:
+            self._fail(p, entry, ckpt, exc.code, str(exc), exc.param, when=REJECTED)
+            return
+        except Exception as exc:
+            log.error("request %s failed in the tokenizer (%s)", rid, type(exc).__name__, exc_info=exc,
+                      extra={"request_id": rid})
+            self._fail(p, entry, ckpt, errors.EngineFailure.code,
+                       f"the worker failed to {entry.kind} this request ({type(exc).__name__})")
+            return
+        self.outbox.reply(entry.reply_channel, delta, entry.v)
+        self.outbox.reply(entry.reply_channel, protocol.Done(request_id=rid, seq=delta.seq + 1,
+                                                             prompt_tokens=counted, completion_tokens=0), entry.v)
+        self.outbox.finish(p.entry_id, rid, p.stream)
 
     def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
         from worker.engine.tokenizer import encode_prompt, render_chat

@@ -40,7 +40,10 @@ GAUGES = (
 COUNTERS = (
     ("prefix_cache_queries", "kvgate_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
     ("prefix_cache_hits", "kvgate_prefix_cache_hits", "Prompt tokens found in the prefix cache"),
-    ("num_preemptions", "kvgate_num_preemptions", "Sequences preempted (KV blocks ran out)"),
+    ("num_preemptions", "kvgate_num_preemptions", "Sequences preempted (KV blocks ran out, or a slot "
+     "yielded to the fair order)"),
+    ("num_fair_preemptions", "kvgate_num_fair_preemptions", "Sequences that yielded their slot to a "
+     "tenant below its share (KVGATE_FAIR_YIELD)"),
 )
 
 
@@ -120,6 +123,10 @@ class StartupCollector:
                                                                "cache_dtype"))
         info.add_metric([*self.labels, str(self.kv.block_size), str(self.kv.num_blocks), self.kv.dtype], 1)
         yield info
+        kernel = GaugeMetricFamily("kvgate_engine_kernel_info", "GEMM path the linears took (value 1; "
+                                   "chosen by timing at load on CPU)", labels=(*LABELS, "linear"))
+        kernel.add_metric([*self.labels, self.kv.linear_kernel], 1)
+        yield kernel
         yield from self._ranks()
 
     def _ranks(self):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 
 
 from shared import protocol
@@ -22,7 +23,8 @@ from shared.redis_errors import REDIS_ERRORS, refusal
 from shared.settings import WorkerSettings
 from worker.admission import Admission
 from worker.cancels import CancelListener
-from worker.consumer import StreamConsumer
+from worker.consumer import PendingEntry, StreamConsumer
+from worker.fairness import FairOrder
 from worker.heartbeat import Heartbeat
 from worker.inflight import InFlight
 from worker.metrics import WorkerMetrics
@@ -44,7 +46,12 @@ class WorkerService:
         self.backoff = Backoff(0.05, 2.0)  # between tries while Redis refuses or errs
         self.metrics = WorkerMetrics(settings.served_name, settings.version, settings.worker_id,
                                      engine.stats)
-        self.consumer = StreamConsumer(self.redis, settings)
+        self.fair = FairOrder() if settings.fair_order else None
+        self.consumer = StreamConsumer(self.redis, settings, self.fair)
+        if self.fair is not None and hasattr(engine, "scheduler"):  # the paged engine's waiting queue
+            engine.scheduler.waiting_order = self.fair.request_counter
+        # a tenant below its share of a full batch starts at once (the paged engine preempts for it)
+        self.yielding = self.fair is not None and settings.fair_yield and hasattr(engine, "yield_slot")
         self.outbox = Outbox(self.redis, self.consumer.stream, settings.worker_id,
                              settings.max_checkpoint_bytes)
         self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer)
@@ -111,26 +118,60 @@ class WorkerService:
                 return
         else:
             self._pull()
-        if self.engine.has_unfinished():
-            self.inflight.collect(self.engine.step())
-            self.admission.faults.pause_step()
-        reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity())
+        self._step()
+        reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity(), self.yielding)
         if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
             self.consumer.received(reads, replies)
         if not self.outbox.held:
             self.backoff.reset()
 
+    def _step(self) -> None:
+        outputs = []
+        if self.engine.has_unfinished():
+            outputs = self.engine.step()
+            self.inflight.collect(outputs)
+            self.admission.faults.pause_step()
+        if self.fair is not None:  # each tenant charged its tokens of this step
+            self.fair.served(outputs, alive=self.inflight.__contains__)
+
     def _pull(self) -> None:
-        """Admit what the consumer hands over (what the last flush read for the room the engine
-        had, then orphans; when the engine is idle, a short blocking read)."""
-        todo = self.consumer.take(self.engine.free_capacity(), idle=not self.engine.has_unfinished(),
-                                  known=self.inflight.entry_ids)
-        for i, pending in enumerate(todo):
+        """Admit what the consumer hands over, one entry at a time so each choice sees the counters
+        the last one moved (what the last flush read, then orphans; when the engine is idle, a
+        short blocking read)."""
+        room = self.engine.free_capacity() or self._make_room()
+        self.consumer.take(room, idle=not self.engine.has_unfinished(), known=self.inflight.entry_ids)
+        for _ in range(room):
+            if (pending := self.consumer.next()) is None:
+                break
             try:
                 self.admission.admit(pending)
             except REDIS_ERRORS:  # this entry and the rest wait for Redis
-                self.consumer.put_back(todo[i:])
+                self.consumer.put_back([pending])
                 raise
+            self._started(pending)
+
+    def _make_room(self) -> int:
+        """A full batch, under the fair order: when the next entry's tenant is below its share of
+        the sequence slots and a tenant served more is above its own, one of that tenant's running
+        sequences (in the entry's lane or a worse one, of its priority or a worse one) yields its
+        slot (recomputed later); returns the room made, 0 or 1."""
+        if not self.yielding or (candidate := self.consumer.peek()) is None:
+            return 0
+        running = self.engine.running_requests()
+        holders = Counter(t for rid in running if (t := self.fair.tenant_of(rid)) is not None)
+        victim = self.fair.over_share(candidate.claim, holders, self.engine.config.max_num_seqs)
+        if victim is None:
+            return 0
+        lane = self.consumer.lane(candidate.stream)
+        ids = {rid for rid in running if self.fair.tenant_of(rid) == victim
+               and self.consumer.lane(getattr(self.inflight.requests.get(rid), "stream", None)) >= lane}
+        return int(self.engine.yield_slot(ids, candidate.claim.priority))
+
+    def _started(self, p: PendingEntry) -> None:
+        """Under the fair order, an admitted request's prompt is charged to its tenant now."""
+        act = self.inflight.requests.get(p.claim.request_id) if self.fair and p.claim.request_id else None
+        if act is not None and act.entry_id == p.entry_id:
+            self.fair.started(p.claim.request_id, p.claim, act.prompt_tokens)
 
     def _apply_cancels(self) -> None:
         """Aborted in the engine before the next step, so its blocks are free for that step."""

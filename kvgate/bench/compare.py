@@ -1,11 +1,14 @@
 """`make bench`: the four serving comparisons of issue 10, side by side in one run on this machine.
 
 1. paged engine vs the naive `hf` worker behind the same gateway, concurrency 1 → 64;
-2. gateway overhead with the synthetic engine: bare server, LiteLLM proxy → bare server, kvgate
-   (gateway + Redis + worker): added latency, and the highest sustained requests/s per process;
+2. gateway overhead with the synthetic engine: bare server, LiteLLM proxy → bare server, Portkey's
+   gateway → bare server, kvgate (gateway + Redis + worker): added latency, and the highest sustained
+   requests/s per process, the load coming from several client processes (kvgate/bench/loadgen.py);
 3. shared-prefix workload with prefix caching on vs off;
 4. short requests' TTFT with long prompts arriving vs alone;
 plus the TTFT that gateway + Redis add over the same engine called in-process.
+The target figures are measured in `rounds` rounds within the one run, and reported with their spread.
+`--only overhead` runs part 2 alone (minutes) and merges it into the last full run's results.
 Results go to docs/performance.md (its serve section), docs/perf/*.png and docs/perf/bench.json.
 """
 from __future__ import annotations
@@ -21,7 +24,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvgate.bench.datasets import DatasetOptions, Vocabulary, load_tokenizer, make_requests, send_times
+from kvgate.bench.loadgen import LoadGenerator
 from kvgate.bench.metrics import distribution
+from kvgate.bench.portkey import ensure_portkey
 from kvgate.bench.procs import Processes, Server, ensure_litellm
 from kvgate.bench.serve import RunConfig, run_once
 
@@ -30,16 +35,19 @@ SERVED = "demo"
 
 @dataclass
 class Sizes:
+    rounds: int = 3  # each target figure is measured this many times in one run: min/median/max
+    # client processes for the ramp: one asyncio process tops out near the bare server's rate on
+    # this 2-core machine; two keep the client's CPU per process well under 1 (reported per level)
+    client_processes: int = 2
     levels: tuple[int, ...] = (1, 4, 16, 64)
     engine_input: int = 32
     engine_output: int = 32
-    overhead_requests: int = 50  # per path, mode and round
-    overhead_rounds: int = 4  # paths take turns, so a noisy moment hits all of them
+    overhead_requests: int = 50  # per path, mode and round; the paths take turns within a round
     overhead_input: int = 32
     overhead_output: int = 16
     ramp_start: float = 20.0
     ramp_factor: float = 1.5
-    ramp_seconds: float = 4.0
+    ramp_seconds: float = 3.0
     ramp_max: float = 3000.0
     prefix_len: int = 512
     prefix_suffix: int = 32
@@ -64,7 +72,7 @@ class Sizes:
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(levels=(1, 4), engine_output=8, overhead_requests=10, overhead_rounds=2, ramp_seconds=1.0,
+        return cls(levels=(1, 4), engine_output=8, overhead_requests=10, ramp_seconds=1.0,
                    ramp_max=100.0, prefix_len=128, prefix_requests=8, mix_long_input=256, mix_short_requests=12,
                    added_requests=8)
 
@@ -72,6 +80,11 @@ class Sizes:
 class Bench:
     def __init__(self, model_dir: Path, procs: Processes, sizes: Sizes):
         self.model_dir, self.procs, self.sizes = model_dir, procs, sizes
+        self.loadgen: LoadGenerator | None = None
+
+    def close(self) -> None:
+        if self.loadgen is not None:
+            self.loadgen.close()
 
     @functools.cached_property
     def vocab(self) -> Vocabulary:
@@ -86,8 +99,16 @@ class Bench:
               dataset: str = "random", rate: float = float("inf")) -> dict:
         cfg = RunConfig(url=server.url, model=SERVED, api_key=server.key, dataset=dataset,
                         num_prompts=len(workload[0]), request_rate=rate, max_concurrency=concurrency,
-                        stream=stream, progress=sys.stdout.isatty())
+                        stream=stream, progress=sys.stdout.isatty(), headers=server.headers)
         return asyncio.run(run_once(cfg, *workload))
+
+    def serve_from_processes(self, server: Server, workload, rate: float) -> dict:
+        """Non-streamed requests at `rate` from the client processes (the ramp's load)."""
+        if self.loadgen is None:
+            self.loadgen = LoadGenerator(self.sizes.client_processes)
+        cfg = RunConfig(url=server.url, model=SERVED, api_key=server.key, num_prompts=len(workload[0]),
+                        request_rate=rate, stream=False, progress=False, headers=server.headers)
+        return self.loadgen.run(cfg, *workload)
 
     # -- 1. paged vs naive ------------------------------------------------------------------
     def engines(self) -> dict:
@@ -98,6 +119,10 @@ class Bench:
             server = self.procs.kvgate(f"cmp1-{engine}", self.model_dir, engine)
             out[engine] = [self.serve(server, self.workload("random", max(8, 2 * c), opts, seed=c), c)
                            for c in s.levels]
+            top = s.levels[-1]  # the target's level, measured once per round (the sweep was round 1)
+            out.setdefault("top_rounds", {})[engine] = [out[engine][-1]["output_throughput"]] + [
+                self.serve(server, self.workload("random", max(8, 2 * top), opts, seed=top + r), top)["output_throughput"]
+                for r in range(1, s.rounds)]
             self.procs.stop(server.proc)
         top = s.levels[-1]  # for context: the same top level on the paged engine alone, in this process
         out["paged_inprocess_top"] = inprocess_throughput(
@@ -105,48 +130,59 @@ class Bench:
         return out
 
     # -- 2. gateway overhead ----------------------------------------------------------------
-    def gateways(self, litellm_venv: Path | None) -> dict:
+    def gateways(self, peers: dict[str, Path | None], skipped: dict[str, str]) -> dict:
+        """`peers`: where LiteLLM's venv and Portkey's folder are (None: not installed; `skipped`
+        says why). Each round: latency with the paths taking turns, then each path's ramp."""
         servers = {"baseline": self.procs.baseline(self.model_dir)}
-        if litellm_venv is not None:
-            servers["litellm"] = self.procs.litellm(litellm_venv, servers["baseline"], SERVED)
+        if peers.get("litellm") is not None:
+            servers["litellm"] = self.procs.litellm(peers["litellm"], servers["baseline"], SERVED)
+        if peers.get("portkey") is not None:
+            servers["portkey"] = self.procs.portkey(peers["portkey"], servers["baseline"], SERVED)
         servers["kvgate"] = self.procs.kvgate("cmp2-kvgate", self.model_dir, "synthetic")
-        out = {"latency": {mode: self._latency(servers, stream=mode == "stream") for mode in ("nostream", "stream")},
-               "ramp": {name: self._ramp(server) for name, server in servers.items()}}
+        rounds = []
+        for r in range(self.sizes.rounds):
+            print(f"   gateways round {r + 1}/{self.sizes.rounds}", flush=True)
+            latency = {mode: self._latency(servers, stream=mode == "stream", seed=100 + r) for mode in ("nostream", "stream")}
+            rounds.append({"latency": latency, "ramp": {name: self._ramp(server, seed=7 + 10 * r)
+                                                        for name, server in servers.items()}})
         for server in servers.values():
             self.procs.stop(server.proc)
-        return out
+        ceilings = [rd["ramp"]["baseline"]["max_sustained_rps"] for rd in rounds]
+        for rd in rounds:  # a path that reached the bare server's figure was held back by the client
+            for d in rd["ramp"].values():
+                d["client_bound"] = d["max_sustained_rps"] >= rd["ramp"]["baseline"]["max_sustained_rps"]
+        return {"rounds": rounds, "latency": _pooled([rd["latency"] for rd in rounds]), "skipped": skipped,
+                "client_processes": self.sizes.client_processes, "client_ceiling_rps": ceilings}
 
-    def _latency(self, servers: dict[str, Server], stream: bool) -> dict:
-        """One request at a time; the paths take turns in rounds; TTFT and E2EL distributions."""
+    def _latency(self, servers: dict[str, Server], stream: bool, seed: int) -> dict:
+        """One request at a time, each path in turn; TTFT and E2EL distributions (and the raw
+        lists, to pool the rounds). One client process: at concurrency 1 it is far from busy."""
         s = self.sizes
         opts = DatasetOptions(input_len=s.overhead_input, output_len=s.overhead_output)
-        seen = {name: {"ttft": [], "e2el": [], "failed": 0} for name in servers}
-        for round_ in range(s.overhead_rounds):
-            for name, server in servers.items():
-                run = self.serve(server, self.workload("random", s.overhead_requests, opts, seed=100 + round_), 1, stream)
-                seen[name]["ttft"] += run["ttfts_ms"]
-                seen[name]["e2el"] += run["e2els_ms"]
-                seen[name]["failed"] += run["failed"]
-        return {name: {"ttft": distribution([v / 1000 for v in d["ttft"]]),
-                       "e2el": distribution([v / 1000 for v in d["e2el"]]), "failed": d["failed"],
-                       "requests": len(d["ttft"])} for name, d in seen.items()}
+        out = {}
+        for name, server in servers.items():
+            run = self.serve(server, self.workload("random", s.overhead_requests, opts, seed=seed), 1, stream)
+            out[name] = {"ttfts_ms": run["ttfts_ms"], "e2els_ms": run["e2els_ms"], "failed": run["failed"]}
+        return {name: _distributions(d) for name, d in out.items()}
 
-    def _ramp(self, server: Server) -> dict:
-        """Evenly spaced non-streamed requests at a rate rising level by level. A level is kept up
-        when nothing failed, completions kept pace (≥ 90% of the offered rate) and E2EL p99 stayed
-        under 1 s; a missed level gets one more try (the machine is shared), a second miss ends the
-        ramp. The figure is the last level kept up."""
+    def _ramp(self, server: Server, seed: int) -> dict:
+        """Evenly spaced non-streamed requests from the client processes at a rate rising level by
+        level. A level is kept up when nothing failed, completions kept pace (≥ 90% of the offered
+        rate) and E2EL p99 stayed under 1 s; a missed level gets one more try (the machine is
+        shared), a second miss ends the ramp. The figure is the last level kept up; each level
+        records the client processes' CPU use (CPU-s per s, one per process)."""
         s = self.sizes
         opts = DatasetOptions(input_len=s.overhead_input, output_len=s.overhead_output)
         levels, rate, best = [], s.ramp_start, 0.0
         while rate <= s.ramp_max:
             for attempt in range(2):
                 n = max(20, int(rate * s.ramp_seconds))
-                run = self.serve(server, self.workload("random", n, opts, seed=7 + attempt, rate=rate,
-                                                       burstiness=1000.0), stream=False, rate=rate)
+                run = self.serve_from_processes(
+                    server, self.workload("random", n, opts, seed=seed + attempt, rate=rate, burstiness=1000.0), rate)
                 kept = run["failed"] == 0 and run["request_throughput"] >= 0.9 * rate and run["p99_e2el_ms"] <= 1000
                 levels.append({"offered": rate, "achieved": run["request_throughput"], "failed": run["failed"],
-                               "p50_e2el_ms": run["p50_e2el_ms"], "p99_e2el_ms": run["p99_e2el_ms"], "kept_up": kept})
+                               "p50_e2el_ms": run["p50_e2el_ms"], "p99_e2el_ms": run["p99_e2el_ms"], "kept_up": kept,
+                               "client_cpu": run["client_cpu_s_per_s"]})
                 if kept:
                     break
             if not kept:
@@ -192,17 +228,40 @@ class Bench:
                                               "mix_long_output")}}, added
 
     def _ttft_added(self, server: Server) -> dict:
-        """Streamed TTFT through the stack vs the same prompts on the same engine in this process."""
+        """Streamed TTFT through the stack vs the same prompts on the same engine in this process,
+        once per round (the two taking turns)."""
         s = self.sizes
         opts = DatasetOptions(input_len=s.engine_input, output_len=s.added_output)
         self.serve(server, self.workload("random", 5, opts, seed=50), 1)  # warm-up
-        requests, times = self.workload("random", s.added_requests, opts, seed=51)
-        through = self.serve(server, (requests, times), 1)
-        local = inprocess_ttfts(self.model_dir, [r.prompt for r in requests], s.added_output, s.torch_threads)
-        gateway = distribution([v / 1000 for v in through["ttfts_ms"]])
-        engine = distribution(local)
-        return {"gateway": gateway, "inprocess": engine, "requests": len(requests),
-                "added_p50_ms": gateway["p50"] - engine["p50"], "added_p99_ms": gateway["p99"] - engine["p99"]}
+        engine = _engine(self.model_dir, s.torch_threads)
+        rounds = []
+        for r in range(s.rounds):
+            requests, times = self.workload("random", s.added_requests, opts, seed=51 + r)
+            through = self.serve(server, (requests, times), 1)
+            local = inprocess_ttfts(engine, [q.prompt for q in requests], s.added_output)
+            gateway, alone = distribution([v / 1000 for v in through["ttfts_ms"]]), distribution(local)
+            rounds.append({"gateway": gateway, "inprocess": alone, "added_p50_ms": gateway["p50"] - alone["p50"],
+                           "added_p99_ms": gateway["p99"] - alone["p99"]})
+        middle = sorted(rounds, key=lambda d: d["added_p50_ms"])[len(rounds) // 2]
+        return {**middle, "requests": s.added_requests, "rounds": rounds}
+
+
+def _distributions(d: dict) -> dict:
+    return {"ttft": distribution([v / 1000 for v in d["ttfts_ms"]]), "e2el": distribution([v / 1000 for v in d["e2els_ms"]]),
+            "failed": d["failed"], "requests": len(d["ttfts_ms"]), "ttfts_ms": d["ttfts_ms"], "e2els_ms": d["e2els_ms"]}
+
+
+def _pooled(rounds: list[dict]) -> dict:
+    """Every round's requests together, per mode and path (the tables' figures)."""
+    out = {}
+    for mode in rounds[0]:
+        out[mode] = {}
+        for name in rounds[0][mode]:
+            runs = [rd[mode][name] for rd in rounds]
+            out[mode][name] = _distributions({"ttfts_ms": [v for d in runs for v in d["ttfts_ms"]],
+                                              "e2els_ms": [v for d in runs for v in d["e2els_ms"]],
+                                              "failed": sum(d["failed"] for d in runs)})
+    return out
 
 
 def _engine(model_dir: Path, threads: int):
@@ -236,18 +295,17 @@ def inprocess_throughput(model_dir: Path, requests, threads: int) -> dict:
     return {"requests": len(requests), "output_tokens": tokens, "output_throughput": tokens / elapsed}
 
 
-def inprocess_ttfts(model_dir: Path, prompts: list[str], max_tokens: int, threads: int) -> list[float]:
+def inprocess_ttfts(engine, prompts: list[str], max_tokens: int) -> list[float]:
     """TTFT (s) of each prompt alone on the engine the worker builds: tokenize, add, step until its
     first token."""
     from worker.engine.tokenizer import encode_prompt
     from worker.engine.types import SamplingParams
 
-    engine = _engine(model_dir, threads)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ttfts = []
     for i, prompt in enumerate(["warm up the engine"] * 3 + prompts):
         start, first = time.perf_counter(), None
-        engine.add_request(f"r{i}", encode_prompt(engine.tokenizer, prompt), params)
+        engine.add_request(f"t{time.perf_counter_ns()}-{i}", encode_prompt(engine.tokenizer, prompt), params)
         while engine.has_unfinished():
             outputs = engine.step()
             if first is None and any(o.new_token_ids for o in outputs):
@@ -257,16 +315,41 @@ def inprocess_ttfts(model_dir: Path, prompts: list[str], max_tokens: int, thread
     return ttfts
 
 
+def peers(args) -> tuple[dict[str, Path | None], dict[str, str]]:
+    """Where each peer gateway is installed (None: skipped) and, for each skipped, why."""
+    found, skipped = {"litellm": None, "portkey": None}, {}
+    if args.skip_litellm:
+        skipped["litellm"] = "--skip-litellm"
+    else:
+        found["litellm"] = ensure_litellm(Path(args.litellm_venv).resolve())
+        if found["litellm"] is None:
+            skipped["litellm"] = f"LiteLLM could not be installed into {args.litellm_venv} (see its .install.log)"
+    if args.skip_portkey:
+        skipped["portkey"] = "--skip-portkey"
+    else:
+        found["portkey"], reason = ensure_portkey(Path(args.portkey_dir).resolve())
+        if reason:
+            print(f"Portkey's comparison is skipped: {reason}", flush=True)
+            skipped["portkey"] = reason
+    return found, skipped
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvgate.bench.report import write_report
     from kvgate.up import default_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke check, not figures)")
+    ap.add_argument("--only", choices=["overhead"], help="run only the gateway-overhead part and merge it into "
+                    "the last run's results (OUT_DIR/results.json) if there is one")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per target figure [default: 3]")
+    ap.add_argument("--client-processes", type=int, default=None, help="client processes for the ramp [default: 2]")
     ap.add_argument("--out-dir", default="bench-out/serve", help="logs and stack state")
     ap.add_argument("--docs", default="docs", help="where performance.md and perf/ are written")
     ap.add_argument("--litellm-venv", default="bench-out/litellm-venv")
     ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--portkey-dir", default="bench-out/portkey", help="where Portkey's gateway is installed (npm)")
+    ap.add_argument("--skip-portkey", action="store_true")
     ap.add_argument("--from-results", help="only rewrite the report from a run's results.json")
     args = ap.parse_args(argv)
     if args.from_results:
@@ -275,26 +358,49 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.monotonic()
     sizes = Sizes.quick() if args.quick else Sizes()
+    sizes.rounds = args.rounds or sizes.rounds
+    sizes.client_processes = args.client_processes or sizes.client_processes
     os.environ["OMP_NUM_THREADS"] = str(sizes.torch_threads)  # before torch loads here or in a child
     procs = Processes(Path(args.out_dir).resolve())
     bench = Bench(default_model_dir(), procs, sizes)
-    venv = None if args.skip_litellm else ensure_litellm(Path(args.litellm_venv).resolve())
-    results = {"loadavg_start": os.getloadavg()[0]}  # the machine is shared: say how busy it was
+    found, skipped = peers(args)
+    steps = [("engines", bench.engines), ("gateways", lambda: bench.gateways(found, skipped)),
+             ("prefix", bench.prefix), ("mix_added", bench.mix_and_added)]
+    raw = procs.log_dir / "results.json"
+    results = {}
+    if args.only:  # the other parts come from the last run, as they were
+        steps = steps[1:2]
+        results = json.loads(raw.read_text()) if raw.exists() else {}
+    results.update(loadavg_start=os.getloadavg()[0], cpu_model=cpu_model())  # the machine is shared: say how busy
     try:
-        for name, step in (("engines", bench.engines), ("gateways", lambda: bench.gateways(venv)),
-                           ("prefix", bench.prefix), ("mix_added", bench.mix_and_added)):
+        for name, step in steps:
             print(f"== {name} ({time.monotonic() - started:.0f}s)", flush=True)
             results[name] = step()
     finally:
+        bench.close()
         procs.stop_all()
-    results["mix"], results["ttft_added"] = results.pop("mix_added")
+    if "mix_added" in results:
+        results["mix"], results["ttft_added"] = results.pop("mix_added")
     results["sizes"] = sizes.__dict__
     results["elapsed_s"] = time.monotonic() - started
     results["loadavg_end"] = os.getloadavg()[0]
     results["quick"] = args.quick
-    (procs.log_dir / "results.json").write_text(json.dumps(results) + "\n")  # raw, for --from-results
+    results["only"] = args.only
+    raw.write_text(json.dumps(results) + "\n")  # raw, for --from-results and the next --only run
     write_report(results, Path(args.docs), quick=args.quick)
     return 0
+
+
+def cpu_model() -> str:
+    """lscpu's model name (the figures differ by CPU family)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")),
+                "unknown")
 
 
 if __name__ == "__main__":

@@ -103,11 +103,13 @@ def mm_peak(n: int = 2048, reps: int = 5) -> float:
     return _gemm_peak(lambda: torch.mm(a, b), n, reps)
 
 
-def engine_gemm_peak(n: int = 2048, reps: int = 5) -> float:
-    """The same for the GEMM the engine's linears use (oneDNN on CPU), which can beat torch.mm."""
-    from worker.models.llama import Linear
+def engine_gemm_peak(kernel=None, n: int = 2048, reps: int = 5) -> float:
+    """The same for the GEMM path the engine's linears took (gemm_probe.py; default: oneDNN on CPU),
+    which can beat torch.mm."""
+    from worker.models.linear import DEFAULT, Linear, use_kernel
 
     layer, x = Linear(n, n, bias=False), torch.randn(n, n)
+    use_kernel(layer, kernel or DEFAULT)
     with torch.inference_mode():
         return _gemm_peak(lambda: layer(x), n, reps)
 
@@ -192,6 +194,7 @@ def workload_1(model_dir: Path, sizes: Sizes) -> dict:
     result = run_engine(engine, reqs)
     engine_tps = result["tokens"] / result["seconds"]
     params = matmul_params(engine)
+    kernels = engine.runner.kernels
     embed_params = engine.runner.model.model.embed_tokens.weight.numel()
     dtype = engine.runner.dtype
     del engine
@@ -200,14 +203,15 @@ def workload_1(model_dir: Path, sizes: Sizes) -> dict:
     static_tps = hf_static(hf, reqs)
     seq_tps = hf_sequential(hf, reqs)
     peak = max(peak, mm_peak())  # the better of before and after: load from elsewhere only lowers it
-    gemm_peak = max(peak, engine_gemm_peak())
+    gemm_peak = max(peak, engine_gemm_peak(kernels.kernel))
     shares = decode_flops(result["decode_steps"], peak, 2 * embed_params)
     shares["flops_share_vs_engine_gemm_peak"] = shares["decode_flops"] / gemm_peak
     return {
         "dtype": str(dtype).removeprefix("torch."), "requests": len(reqs), "output_tokens": result["tokens"], "sequential_tok_s": seq_tps,
         "static_tok_s": static_tps, "engine_tok_s": engine_tps, "vs_sequential": engine_tps / seq_tps,
         "vs_static": engine_tps / static_tps, "mm_peak_flops": peak, "engine_gemm_peak_flops": gemm_peak,
-        "matmul_params": params, **shares,
+        "matmul_params": params, "linear_kernel": kernels.label(), "linear_kernel_source": kernels.source,
+        "linear_kernel_timings_ms": kernels.timings_ms, **shares,
     }
 
 
@@ -369,7 +373,7 @@ def format_table(report: dict) -> str:
     rows.append(f"tok/s: sequential {w1['sequential_tok_s']:.1f}, static {w1['static_tok_s']:.1f}, "
                 f"engine {w1['engine_tok_s']:.1f}; decode {w1['decode_flops'] / 1e9:.1f} GFLOP/s "
                 f"vs torch.mm peak {w1['mm_peak_flops'] / 1e9:.1f} (engine GEMM peak "
-                f"{w1['engine_gemm_peak_flops'] / 1e9:.1f}: {w1['flops_share_vs_engine_gemm_peak']:.0%})")
+                f"{w1['engine_gemm_peak_flops'] / 1e9:.1f}: {w1['flops_share_vs_engine_gemm_peak']:.0%}); linear kernel {w1['linear_kernel']}")
     return "\n".join(rows)
 
 

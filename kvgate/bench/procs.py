@@ -1,5 +1,6 @@
-"""The servers `make bench` starts: kvgate stacks (`kvgate up`), the bare baseline server and the
-LiteLLM proxy (from a venv of its own, never the project's). Each child runs in its own session and
+"""The servers `make bench` starts: kvgate stacks (`kvgate up`), the bare baseline server, the
+LiteLLM proxy (from a venv of its own, never the project's) and Portkey's gateway (Node, from a
+folder of its own; see kvgate/bench/portkey.py). Each child runs in its own session and
 is stopped through its own process group, so nothing else on the machine is touched."""
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from kvgate.bench import portkey
 from shared.redis_server import free_port
 
 LITELLM_SPEC = "litellm[proxy]==1.108.7"
@@ -26,8 +28,9 @@ LIMIT_TPM = 1_000_000_000
 class Server:
     name: str
     url: str
-    key: str
+    key: str | None
     proc: subprocess.Popen
+    headers: dict = field(default_factory=dict)  # sent with every request
 
 
 class Processes:
@@ -108,6 +111,15 @@ class Processes:
         url = f"http://127.0.0.1:{port}"
         self.wait_http(proc, url + "/health/liveliness", "litellm")
         return Server("litellm", url, key, proc)
+
+    def portkey(self, folder: Path, upstream: Server, served_name: str) -> Server:
+        """Portkey's gateway in front of `upstream`; its config (and the upstream's key) travel in
+        a header on every request, as the open-source gateway takes them."""
+        port = free_port()
+        proc = self.spawn("portkey", portkey.command(folder, port), {"NODE_ENV": "production"}, cwd=folder)
+        url = f"http://127.0.0.1:{port}"
+        self.wait_http(proc, url + "/", "portkey")
+        return Server("portkey", url, None, proc, portkey.config_header(upstream.url, upstream.key, served_name))
 
 
 LITELLM_CONFIG = """\

@@ -36,6 +36,7 @@ class RunConfig:
     timeout_s: float = 600.0
     progress: bool = True
     extra_body: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)  # sent with every request (a peer's per-request config)
 
 
 def request_body(cfg: RunConfig, prompt: str, max_tokens: int) -> dict:
@@ -53,7 +54,7 @@ async def send_request(client, cfg: RunConfig, prompt: str, max_tokens: int):
     from kvgate.bench.metrics import RequestResult
 
     result = RequestResult()
-    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    headers = {"Authorization": f"Bearer {cfg.api_key}", **cfg.headers} if cfg.api_key else cfg.headers
     start = time.perf_counter()
     try:
         async with client.stream("POST", cfg.url.rstrip("/") + cfg.endpoint, headers=headers,
@@ -110,29 +111,49 @@ async def run_once(cfg: RunConfig, requests, send_at: list[float]) -> dict:
     """Send every request at its time (bounded by max_concurrency) and summarize what came back."""
     import httpx
 
-    from kvgate.bench.metrics import summarize, summarize_by_label
+    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=_limits(cfg)) as client:
+        await probe(client, cfg, requests[0].prompt)
+        with _progress(cfg, len(requests)) as advance:
+            t0 = time.perf_counter()
+            results = await send_all(client, cfg, requests, send_at, t0, advance)
+            duration = time.perf_counter() - t0
+    return summarize_run(cfg, results, duration)
+
+
+def _limits(cfg: RunConfig):
+    import httpx
 
     limit = cfg.max_concurrency or 4096
-    limits = httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
-    semaphore = asyncio.Semaphore(limit)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0), limits=limits) as client:
-        probe = await send_request(client, cfg, requests[0].prompt, 2)
-        if not probe.success:
-            raise click.ClickException(f"the test request to {cfg.url}{cfg.endpoint} failed: {probe.error}")
-        with _progress(cfg, len(requests)) as advance:
-            async def one(req, at: float):
-                await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-                async with semaphore:
-                    sent = time.perf_counter() - t0
-                    res = await send_request(client, cfg, req.prompt, req.output_len)
-                res.start, res.label = sent, req.label
-                res.prompt_len = res.prompt_len or req.prompt_len
-                advance()
-                return res
+    return httpx.Limits(max_connections=limit, max_keepalive_connections=limit)
 
-            t0 = time.perf_counter()
-            results = await asyncio.gather(*(one(r, at) for r, at in zip(requests, send_at)))
-            duration = time.perf_counter() - t0
+
+async def probe(client, cfg: RunConfig, prompt: str) -> None:
+    """One small request first, so a wrong URL or key fails the run at once with its reason."""
+    result = await send_request(client, cfg, prompt, 2)
+    if not result.success:
+        raise click.ClickException(f"the test request to {cfg.url}{cfg.endpoint} failed: {result.error}")
+
+
+async def send_all(client, cfg: RunConfig, requests, send_at: list[float], t0: float, advance=lambda: None) -> list:
+    """Each request at t0 + its send time (perf_counter clock: the same in every process here)."""
+    semaphore = asyncio.Semaphore(cfg.max_concurrency or 4096)
+
+    async def one(req, at: float):
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        async with semaphore:
+            sent = time.perf_counter() - t0
+            res = await send_request(client, cfg, req.prompt, req.output_len)
+        res.start, res.label = sent, req.label
+        res.prompt_len = res.prompt_len or req.prompt_len
+        advance()
+        return res
+
+    return list(await asyncio.gather(*(one(r, at) for r, at in zip(requests, send_at))))
+
+
+def summarize_run(cfg: RunConfig, results: list, duration: float) -> dict:
+    from kvgate.bench.metrics import summarize, summarize_by_label
+
     out = {**_describe(cfg), **summarize(results, duration, cfg.slo_ms)}
     if len(by_label := summarize_by_label(results, duration, cfg.slo_ms)) > 1:
         out["by_label"] = by_label

@@ -100,3 +100,17 @@ def test_records_of_the_previous_version_read_their_cache_isolation(stored, scop
     raw = '{"id": "k", "name": "a", "created": 0.0, "cache_isolation": %s}' % str(stored).lower()
     record = KeyRecord.model_validate_json(raw)
     assert record.cache_scope == scope and "cache_isolation" not in record.model_dump()
+
+
+def test_weight_defaults_to_one_and_is_bounded_on_create_and_update():
+    from pydantic import ValidationError
+
+    from gateway.admin_schemas import KeyCreate, KeyUpdate
+
+    assert KeyRecord(id="key_1", name="a", created=0.0).weight == 1.0
+    assert KeyCreate(name="a", weight=2.5).weight == 2.5
+    for bad in (0, 0.001, 101):
+        with pytest.raises(ValidationError, match="weight"):
+            KeyCreate(name="a", weight=bad)
+        with pytest.raises(ValidationError, match="weight"):
+            KeyUpdate(weight=bad)

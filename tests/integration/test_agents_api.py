@@ -35,11 +35,9 @@ class AgentPeer(ProtocolPeer):
         self.parser: str | None = "hermes"
         super().__init__(redis_url, speaks=protocol.SCHEMA_VERSION, advertise=True)
 
-    def _register(self) -> None:
-        super()._register()
-        info = orjson.loads(self.client.get(names.worker_key("peer")))
-        info.update({"vocab_size": VOCAB, "tool_call_parser": self.parser, "schema": self.speaks})
-        self.client.set(names.worker_key("peer"), orjson.dumps(info), ex=10)
+    def _info(self) -> dict:
+        return {**super()._info(), "vocab_size": VOCAB, "tool_call_parser": self.parser,
+                "schema": self.speaks}
 
     def _answer(self, entry: dict) -> None:
         rid, channel, replies = entry["request_id"], entry["reply_channel"], []

@@ -7,6 +7,8 @@ import httpx
 import openai
 import pytest
 
+from tests.conftest import start_stack, stop_stack  # plain helpers (python -m pytest puts . on the path)
+
 
 @pytest.fixture
 def client(stack) -> openai.OpenAI:
@@ -134,7 +136,19 @@ def test_health_routes_need_no_key(stack):
     assert httpx.get(stack.url + "/readyz").status_code == 200
 
 
-def test_client_disconnect_aborts_the_request_on_the_worker(stack):
+@pytest.fixture(scope="module", params=["paged", "hf"])
+def cancel_at_once(request, tiny_model_dir, tmp_path_factory):
+    """A stack whose gateway cancels a stream the moment its client leaves
+    (KVGATE_RESUME_GRACE_S=0): with the default grace a 1,500-token request may finish first on a
+    fast machine, and there is nothing left to abort (the grace has tests of its own, test_resume)."""
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp(f"no-grace-{request.param}"), request.param,
+                    extra_env={"KVGATE_RESUME_GRACE_S": "0"})
+    yield s
+    stop_stack(s.proc)
+
+
+def test_client_disconnect_aborts_the_request_on_the_worker(cancel_at_once):
+    stack = cancel_at_once
     before = stack.worker_info()["requests_aborted"]
     body = {"model": "demo", "prompt": "Stream forever", "stream": True, "max_tokens": 1500,
             "ignore_eos": True}

@@ -16,7 +16,8 @@ from worker.engine.synthetic import SyntheticEngine
 from worker.main import HONOURED, engine_config
 
 KNOBS = [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_SETTINGS]
-OTHER = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "reasoning_parser": "qwen3"}  # str knobs: another value
+OTHER = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "reasoning_parser": "qwen3",
+         "cpu_linear_kernel": "aten"}  # str knobs: another value
 
 
 def _other(f: dataclasses.Field):

@@ -24,6 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto, torch or triton
+    cpu_linear_kernel: str = "auto"  # auto (timed at load, gemm_probe.py) or a linear.PATHS name
     num_blocks: int | None = None  # overrides the memory budget (tests)
     enforce_eager: bool = False  # vLLM's name: True turns off CUDA graphs for decode steps
     max_cuda_graph_batch: int = 256  # largest decode batch captured (capped by max_num_seqs)

@@ -12,6 +12,7 @@ accepts every token the choice emits; a grammar that ends finishes the choice wi
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 from worker.engine.base import ModelFacts, log, request_error, step_error
@@ -105,11 +106,22 @@ class LLMEngine(ModelFacts):
         return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self.compiling)
 
     def free_capacity(self) -> int:
-        """Sequence slots left, bounded by free blocks not already owed to waiting prompts."""
+        """Sequence slots left, bounded by free blocks not already owed to waiting prompts; a
+        sequence that just yielded its slot to the fair order holds none until the next step."""
         waiting, running = self.scheduler.waiting, self.scheduler.running
-        slots = self.config.max_num_seqs - len(running) - len(waiting) - self.compiling.num_seqs
+        slots = (self.config.max_num_seqs - len(running) - len(waiting) - self.compiling.num_seqs
+                 + len(self.scheduler.yielded))
         blocks = self.pool.num_free_blocks - sum(self.pool.blocks_for(s.num_tokens) for s in waiting)
         return max(0, min(slots, blocks))
+
+    def running_requests(self) -> list[str]:
+        """The request id of each running sequence (a request with n choices appears n times)."""
+        return [s.request_id for s in self.scheduler.running]
+
+    def yield_slot(self, request_ids: Collection[str], priority: int) -> bool:
+        """One running sequence of `request_ids` (priority no better than `priority`) gives its slot
+        up and is recomputed later: the fair order's room for a tenant below its share."""
+        return self.scheduler.yield_slot(request_ids, priority)
 
     def stats(self) -> dict:
         return {
@@ -117,6 +129,7 @@ class LLMEngine(ModelFacts):
             "num_waiting": len(self.scheduler.waiting) + self.compiling.num_seqs,
             "kv_usage": self.pool.usage, "prefix_cache_queries": self.pool.num_queries,
             "prefix_cache_hits": self.pool.num_hits, "num_preemptions": self.scheduler.num_preemptions,
+            "num_fair_preemptions": self.scheduler.num_fair_preemptions,
             "num_free_blocks": self.pool.num_free_blocks, "num_blocks": self.pool.num_blocks,
         }
 

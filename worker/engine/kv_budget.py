@@ -134,6 +134,7 @@ class KVCacheFacts:
     source: str  # how the budget was chosen, in words
     tp_size: int = 1  # ranks the model and the cache are split across; the figures above are rank 0's
     ranks: tuple[dict, ...] = ()  # per rank: rank, pid, weight_bytes, kv_bytes
+    linear_kernel: str = ""  # the GEMM path the linears took (gemm_probe.py), for the metrics
 
     @property
     def tokens(self) -> int:

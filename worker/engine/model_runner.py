@@ -25,7 +25,10 @@ from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.scheduler import ScheduledBatch
 from worker.engine.sequence import Sequence
 from worker.engine.types import TokenLogprob
+from worker.models import gemm_probe
 from worker.models.config import ModelConfig
+from worker.models.gemm_probe import KernelChoice
+from worker.models.linear import DEFAULT, use_kernel
 from worker.models.loader import load_model
 from worker.models.parallel import SINGLE, check_shardable
 
@@ -89,6 +92,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device)
         self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend, self.shard)
+        self.kernels = self._choose_kernels(config)
         self.num_kv_heads = self.shard.kv_heads(model_cfg.num_heads, model_cfg.num_kv_heads)[1]
         self.kv = self._size_kv_cache(config, model_cfg)
         self.num_blocks, self.max_model_len = self.kv.num_blocks, self.kv.max_model_len
@@ -99,10 +103,23 @@ class ModelRunner:
             for _ in range(model_cfg.num_layers)
         ]
         self.rank_memory = self._rank_memory()
-        self.kv = replace(self.kv, tp_size=self.shard.size, ranks=tuple(self.rank_memory))
+        self.kv = replace(self.kv, tp_size=self.shard.size, ranks=tuple(self.rank_memory),
+                          linear_kernel=self.kernels.label())
         self.sampler = Sampler(eos_token_ids)
         self.decode_graphs = self._build_decode_graphs(config)
         self.num_graph_steps = 0  # decode steps that went through decode_graphs
+
+    def _choose_kernels(self, config: EngineConfig) -> KernelChoice:
+        """The linears' GEMM path, timed on this CPU at the decode batch (tensor-parallel ranks keep
+        the default: their layers call it directly)."""
+        if self.shard.size > 1:
+            return KernelChoice(DEFAULT, "default (tensor parallel)")
+        choice = gemm_probe.choose(self.model, config.cpu_linear_kernel, self.device, self.dtype,
+                                   min(config.max_num_seqs, 64))
+        use_kernel(self.model, choice.kernel)
+        log.info("linear kernel %s (%s)", choice.label(), choice.source,
+                 extra={"linear_kernel": choice.label(), "linear_kernel_timings_ms": choice.timings_ms})
+        return choice
 
     def _rank_memory(self) -> list[dict]:
         """Each rank's weight and KV bytes, in rank order (the registry and metrics report them)."""

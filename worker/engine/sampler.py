@@ -49,6 +49,8 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, rows: list[SampleRow]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        if all(_plain_greedy(row) for row in rows):  # nothing edits the logits: skip the copy and masks
+            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
         logits = logits.to(torch.float32, copy=True)  # masks below write in place
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
@@ -203,6 +205,14 @@ def _token_counts(id_lists: list[list[int]], logits: torch.Tensor) -> torch.Tens
         ones = torch.ones(cols.numel(), device=logits.device)
         counts.index_put_((rows.to(logits.device), cols.to(logits.device)), ones, accumulate=True)
     return counts
+
+
+def _plain_greedy(row: SampleRow) -> bool:
+    """Greedy with nothing that would change the row's logits or ask for its logprobs."""
+    p = row.params
+    return (p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty and not p.logit_bias and row.step >= p.min_tokens
+            and (row.constraint is None or not row.constraint.active))
 
 
 def _filters_by_rank(params: SamplingParams, vocab: int) -> bool:

@@ -61,6 +61,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them at N = 1)."""
 
@@ -148,6 +154,7 @@ class CausalLM(nn.Module):
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard.size == 1
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard))
         self.inv_freq: torch.Tensor | None = None
+        self._rope_table: torch.Tensor | None = None  # CPU: [positions, 2, head_dim] cos and sin
 
     def init_rope(self, device: torch.device) -> None:
         """Kept out of the state dict: it is derived from the config, not loaded."""
@@ -158,12 +165,25 @@ class CausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flattened batch."""
         h = self.model.embed_tokens(input_ids)
-        freqs = positions.to(torch.float32).unsqueeze(1) * self.inv_freq.unsqueeze(0)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(h.dtype).unsqueeze(1), emb.sin().to(h.dtype).unsqueeze(1)
+        cos, sin = self._cos_sin(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.model.norm(h)
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T, 1, head_dim] each. On CPU looked up in a table grown as positions grow (the same
+        products, computed once, not every step); elsewhere computed in place (no host sync, so
+        CUDA graphs can capture it)."""
+        if positions.device.type != "cpu":
+            return _rope(positions, self.inv_freq, dtype)
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        table = self._rope_table
+        if table is None or table.shape[0] < need or table.dtype != dtype:
+            size = max(need, 2 * (table.shape[0] if table is not None else 512))
+            cos, sin = _rope(torch.arange(size, device=positions.device), self.inv_freq, dtype)
+            table = self._rope_table = torch.cat((cos, sin), dim=1)
+        both = table.index_select(0, positions)
+        return both[:, :1], both[:, 1:]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab]; under tensor parallelism only rank 0's are the whole rows."""
