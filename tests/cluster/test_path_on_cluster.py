@@ -156,10 +156,12 @@ def test_worker_killed_mid_stream_its_requests_resume_on_the_other_on_a_cluster(
     """Its own served name, so the stack's worker takes none of these requests; five slots each,
     so each worker takes five of the ten."""
     secret = stack.create_key("takeover")
-    # FIFO: under the fair order the victim would read ahead more than its five (all of them
-    # resumed by the survivor, none lost), and the count below would not be five
-    victim = stack.start_worker("w-victim", "takeover", "--max-num-seqs", "5", KVGATE_FAIR_ORDER="false")
-    stack.start_worker("w-survivor", "takeover", "--max-num-seqs", "5")
+    # FIFO on both: each reads only its room (five). Under the fair order a worker reads ahead up
+    # to KVGATE_FAIR_LOOKAHEAD entries, so whichever read first could hold all ten, and the victim
+    # would not have five running when it is killed (nothing lost: the other resumes them)
+    fifo = {"KVGATE_FAIR_ORDER": "false"}
+    victim = stack.start_worker("w-victim", "takeover", "--max-num-seqs", "5", **fifo)
+    stack.start_worker("w-survivor", "takeover", "--max-num-seqs", "5", **fifo)
     n, chunks = 10, [0]
     body = {"model": "takeover", "prompt": "Request says", "max_tokens": 80, "temperature": 0,
             "ignore_eos": True, "stream": True}
