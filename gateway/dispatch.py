@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from gateway import retry
 from gateway.breaker import GATE, GATE_GRANT, Breaker, Refused, counts_against
 from gateway.errors import redis_unavailable
+from gateway.queue_gate import QueueGate
 from gateway.timeouts import Timeouts
 from shared import names, protocol
 from shared.redis_client import is_cluster
@@ -51,8 +52,10 @@ class Dispatcher:
     def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000,
                  interactive_mark_ms: int = 1000, max_entry_bytes: int = 1 << 20,
                  max_retries: int = 0, retarget: retry.Retarget | None = None,
-                 breaker: Breaker | None = None):
+                 breaker: Breaker | None = None, queued_per_key: int = 0):
         self.redis = redis
+        # a key's interactive requests on a stream, not yet admitted (gateway/queue_gate.py)
+        self.queue_gate = QueueGate(queued_per_key, max_stream_depth)
         self.breaker = breaker  # told each attempt's failure, and a probe's first token
         self.max_retries = max_retries  # sends again of a request that failed before its first token
         self.retarget = retarget  # where such a retry goes (None: the same version, same schema)
@@ -128,14 +131,33 @@ class Dispatcher:
         busy for the batch runners. `probe`: the breaker's token if this request is its version's
         probe (its first token closes the breaker). `gate`: pass the version's breaker in the same
         script (Refused if it is open; the probe's token comes from there). `timeouts`: its
-        limits, counted from `entry.created` (the total is the entry's deadline)."""
-        queue, granted = await self._enqueue(stream, entry, interactive, schema, gate)
+        limits, counted from `entry.created` (the total is the entry's deadline). An interactive
+        entry first waits for its key's place on the stream (gateway/queue_gate.py)."""
+        first_token_by = timeouts.first_token_by(entry.created) if timeouts is not None else math.inf
+        admitted = await self._place(stream, entry, interactive, min(first_token_by, entry.deadline),
+                                     timeouts)
+        try:
+            queue, granted = await self._enqueue(stream, entry, interactive, schema, gate)
+        except BaseException:
+            admitted()
+            raise
         handle = Handle(self, entry.request_id, queue, entry.deadline,
                         attempt=Attempt(stream, entry, interactive, schema))
-        handle.probe = granted or probe
+        handle.probe, handle.admitted = granted or probe, admitted
         if timeouts is not None:
-            handle.timeouts, handle.first_token_by = timeouts, timeouts.first_token_by(entry.created)
+            handle.timeouts, handle.first_token_by = timeouts, first_token_by
         return handle
+
+    async def _place(self, stream: str, entry: protocol.RequestEntry, interactive: bool, by: float,
+                     timeouts: Timeouts | None) -> Callable[[], None]:
+        """Waits for the key's place on `stream` (an interactive entry only), until `by`."""
+        def late() -> Exception:
+            if timeouts is not None and by < entry.deadline:
+                return timeouts.no_first_token()
+            return timeouts.total_passed() if timeouts is not None else \
+                RequestTimeout("request exceeded its total time limit")
+        return await self.queue_gate.enter(entry.key_id if interactive else None, stream, entry.model,
+                                           by - time.time(), late, entry.priority)
 
     async def enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
                       schema: int | None) -> asyncio.Queue:
@@ -239,6 +261,7 @@ class Handle:
         self.timeouts: Timeouts | None = None  # what the limits are called in a timeout's message
         self.first_token_by = math.inf  # time.time() by which a token must have come (or done)
         self.gave_up = False  # a time limit passed: the request is cancelled as a timeout
+        self.admitted: Callable[[], None] = _nothing  # gives back its key's place on the stream
 
     @property
     def version(self) -> str | None:
@@ -349,6 +372,7 @@ class Handle:
         return self.timeouts.no_first_token() if first else self.timeouts.total_passed()
 
     def _accept(self, reply):
+        self.admitted()  # a worker took it (its first reply): off the stream's waiting line
         self.last_seq = reply.seq
         if isinstance(reply, protocol.ErrorReply):
             self.done = True
@@ -382,6 +406,7 @@ class Handle:
         return out
 
     def close(self, reason: str = "client_disconnected") -> None:
+        self.admitted()
         if not self.done and not self.outlives_client:
             self.dispatcher.cancel_soon(self.request_id, "timeout" if self.gave_up else reason)
         self.dispatcher.release(self.request_id)
@@ -438,6 +463,10 @@ class LogFollower(Handle):
                                    f"{' (it reached KVGATE_MAX_CHECKPOINT_BYTES)' if self._truncated else ''}"
                                    "; send the request again", retry_after=1)
         return out
+
+
+def _nothing() -> None:
+    return None
 
 
 class Lookahead:

@@ -52,6 +52,9 @@ LOOP_LAG = Gauge("kvgate_gateway_event_loop_lag_seconds", "How late this process
 REDIS_CONNECTIONS = Gauge("kvgate_gateway_redis_connections", "This process's pooled Redis connections, "
                           "idle or in use (idle ones close after KVGATE_REDIS_IDLE_TIMEOUT_S)",
                           ["state"], multiprocess_mode="livesum")
+QUEUE_GATE_WAITING = Gauge("kvgate_gateway_queue_gate_waiting", "Requests waiting in this process for "
+                           "their key's place on a model's stream (KVGATE_FAIR_QUEUE_PER_KEY)",
+                           multiprocess_mode="livesum")
 for _limit in LIMITS:  # every limit has a series from the start
     RATE_LIMITED.labels(_limit)
 

@@ -60,7 +60,7 @@ class GatewayState:
         dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
                                 settings.interactive_mark_ms, settings.max_entry_bytes,
                                 settings.retries_before_first_token, Retarget(router, registry),
-                                breaker)
+                                breaker, settings.fair_queue_per_key)
         return cls(
             settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
             rescuer=Rescuer(client, router, settings.max_stream_depth),

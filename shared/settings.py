@@ -89,6 +89,11 @@ class GatewaySettings(FilesSettings):
     max_stream_depth: int = Field(1000, ge=1, description="Waiting + in-flight requests per model "
                                   "version beyond which the gateway answers 503 (backpressure)")
     drain_grace_s: float = Field(30.0, ge=0, description="On SIGTERM: time to finish open streams")
+    fair_queue_per_key: int = Field(16, ge=0, le=4096, description="A key's interactive requests "
+                                    "one gateway keeps waiting on a model version's stream (sent, not "
+                                    "yet admitted by a worker); its next ones wait in the gateway, so "
+                                    "no tenant's flood fills the stream beyond the workers' fair "
+                                    "look-ahead (gateway/queue_gate.py; 0: no limit)")
     max_body_bytes: int = Field(1 << 20, ge=1, description="Largest request body accepted (413 above)")
     max_entry_bytes: int = Field(1 << 20, ge=1024, description="Largest queue entry one request may "
                                  "put in Redis (413 above); Redis holds at most "
