@@ -22,7 +22,7 @@ router = APIRouter(prefix="/admin/canary", dependencies=[Depends(require_admin)]
                    responses=ERRORS)
 
 
-def _store(routing: RouterDep) -> RouteStore:
+async def _store(routing: RouterDep) -> RouteStore:
     return routing.store
 
 

@@ -18,7 +18,7 @@ from shared.settings import GatewaySettings
 from shared.usage import UsageBook
 
 
-def gateway_state(request: Request) -> GatewayState:
+async def gateway_state(request: Request) -> GatewayState:
     return request.app.state.gateway  # the one name on app.state (set by gateway/app.py)
 
 
@@ -31,7 +31,7 @@ def _part(name: str):
     if name not in {f.name for f in fields(GatewayState)}:
         raise AttributeError(f"GatewayState has no field {name!r}")
 
-    def part(state: StateDep):
+    async def part(state: StateDep):
         return getattr(state, name)
     return Depends(part)
 

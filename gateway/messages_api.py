@@ -23,7 +23,7 @@ from shared import protocol
 from shared.errors import KvgateError
 
 
-def _anthropic_version(anthropic_version: str | None = Header(
+async def _anthropic_version(anthropic_version: str | None = Header(
         None, description="Accepted (any version); the shapes served are 2023-06-01's")) -> None:
     return None
 

@@ -320,7 +320,7 @@ def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> proto
         model=body.model, version=version, kind=call.kind, params=body.to_sampling_params(),
         created=now, deadline=now + _total_s(settings, lease), key_id=lease.key.id, weight=lease.key.weight,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
-        cache_salt=lease.key.cache_salt(), trace=telemetry.inject(),
+        cache_salt=lease.key.cache_salt(), trace=telemetry.inject(), streamed=bool(body.stream),
         **call.prompt, **call.template)
 
 

@@ -31,7 +31,7 @@ ROUTE_CACHE_SIZE = 1024  # names without a route cached per process: a flood of 
 # evicts the oldest, never grows memory
 
 
-def version_header(x_kvgate_version: str | None = Header(
+async def version_header(x_kvgate_version: str | None = Header(
         None, description="Serve from this version of the model (admin keys and keys with "
         "version_override only); every response names the version that served it")) -> str | None:
     """Declares the request header in the OpenAPI document; `_serve` reads it."""

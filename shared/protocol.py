@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -85,6 +85,9 @@ class RequestEntry(BaseModel):
     weight: float = Field(1.0, gt=0)  # the key's share under the worker's fair order (worker/fairness.py)
     cache_salt: str | None = None
     trace: dict[str, str] = Field(default_factory=dict)
+    # v6: the client reads the answer as it is made (SSE); False lets the worker hold a whole answer's
+    # deltas after its first token and send them together (worker/held.py). An older peer streams each
+    streamed: bool = True
 
     def sampling_params(self, **when_absent) -> SamplingParams:
         """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
@@ -151,6 +154,7 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     3: {"request": frozenset({"tools", "chat_template_kwargs"}), "delta": frozenset({"reasoning"})},
     4: {"delta": frozenset({"prompt_logprobs"})},
     5: {"request": frozenset({"render", "weight"}), "delta": frozenset({"token_strs"})},
+    6: {"request": frozenset({"streamed"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves

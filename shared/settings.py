@@ -235,6 +235,9 @@ class WorkerSettings(CommonSettings):
     fair_lookahead: int = Field(64, ge=1, le=4096, description="Under the fair order, entries per lane "
                                 "the worker reads ahead of its engine's room so it can choose (they "
                                 "stay pending in Redis: a crash loses none)")
+    hold_s: float = Field(1.0, ge=0, le=60, description="A whole (non-streamed) answer's deltas after "
+                          "its first token are held and sent together when a choice ends, or after this "
+                          "many seconds (0: each as it is made, like a stream's)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")

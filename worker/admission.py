@@ -153,7 +153,8 @@ class Admission:
             p.entry_id, entry.reply_channel, entry.params.n, len(prompt_ids), seq=ckpt.last_seq,
             finished=set(ckpt.finished), completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
             stream=p.stream, version=entry.v, deadline=entry.deadline,
-            splits=self._splits(entry, prompt_ids, ckpt)))
+            splits=self._splits(entry, prompt_ids, ckpt), streamed=entry.streamed,
+            sent_token=any(ckpt.tokens.values())))
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request

@@ -14,6 +14,7 @@ from functools import cached_property
 from shared import errors, protocol
 from shared.redis_errors import REDIS_ERRORS
 from worker.engine.types import RequestError, RequestOutput
+from worker.held import Held
 from worker.metrics import WorkerMetrics
 from worker.outcomes import FAILED
 from worker.replies import Outbox
@@ -38,6 +39,9 @@ class Active:
     version: int = protocol.SCHEMA_VERSION  # the entry's schema: its replies are written in it
     deadline: float = math.inf  # the entry's, in time.time(): enforced here while Redis refuses
     splits: dict[int, ThinkingSplit] | None = None  # choice → its thinking/answer split (reasoning models)
+    streamed: bool = True  # False: its deltas after the first token may be held (worker/held.py)
+    sent_token: bool = False  # a delta with tokens went out
+    held: Held | None = None
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -52,9 +56,12 @@ class Active:
 
 
 class InFlight:
-    def __init__(self, engine, outbox: Outbox, metrics: WorkerMetrics, tokenizer):
+    def __init__(self, engine, outbox: Outbox, metrics: WorkerMetrics, tokenizer, hold_s: float = 1.0):
+        """`hold_s`: KVGATE_HOLD_S, how long a whole answer's deltas may be held (0: never)."""
         self.engine, self.outbox, self.metrics, self.tokenizer = engine, outbox, metrics, tokenizer
+        self.hold_s = hold_s
         self.requests: dict[str, Active] = {}
+        self.holding: set[str] = set()  # the requests with deltas held
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -93,15 +100,57 @@ class InFlight:
         act.completion_tokens[out.index] = out.num_output_tokens
         self.metrics.output(out)
         reasoning, text = act.split(out)
-        self.outbox.reply(act.reply_channel, protocol.Delta(
-            request_id=out.request_id, seq=act.next_seq(), index=out.index, text=text,
-            reasoning=reasoning or None, token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+        delta = protocol.Delta(
+            request_id=out.request_id, seq=0, index=out.index, text=text, reasoning=reasoning or None,
+            token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
             prompt_logprobs=self._wire_prompt_logprobs(out),
-            finish_reason=out.finish_reason if out.finished else None), act.version)
+            finish_reason=out.finish_reason if out.finished else None)
+        if act.streamed or not act.sent_token or not self.hold_s:
+            act.sent_token = act.sent_token or bool(delta.token_ids)
+            self._send(act, delta)
+        else:
+            self._hold(out.request_id, act, delta)
+            if out.finished:
+                self._release(out.request_id, act, out.index)
         if out.finished:
             act.finished.add(out.index)
             if len(act.finished) == act.n:
                 self._done(out.request_id)
+
+    def _send(self, act: Active, delta: protocol.Delta) -> None:
+        delta.seq = act.next_seq()
+        self.outbox.reply(act.reply_channel, delta, act.version)
+
+    def _hold(self, request_id: str, act: Active, delta: protocol.Delta) -> None:
+        if act.held is None:
+            act.held = Held()
+            self.holding.add(request_id)
+        act.held.add(delta)
+
+    def _release(self, request_id: str, act: Active, index: int | None = None) -> None:
+        """Send what `act` holds of choice `index` (None: of every choice) as one delta each."""
+        if act.held is None:
+            return
+        for i, choice in act.held.take(index):
+            self._send(act, choice.delta(request_id, 0, i))
+        if not act.held.choices:
+            act.held = None
+            self.holding.discard(request_id)
+
+    def release_due(self) -> None:
+        """Send the deltas held for `hold_s` or longer (once a step)."""
+        if self.holding:
+            now = time.monotonic()
+            for rid in [rid for rid in self.holding if self.requests[rid].held.due(now, self.hold_s)]:
+                self._release(rid, self.requests[rid])
+
+    def _pop(self, request_id: str, release: bool = True) -> Active | None:
+        """`request_id` leaves the requests in flight, what it held sent first (`release`) or dropped."""
+        act = self.requests.get(request_id)
+        if act is not None and release:
+            self._release(request_id, act)
+        self.holding.discard(request_id)
+        return self.requests.pop(request_id, None)
 
     @cached_property
     def _token_text(self) -> TokenText:
@@ -131,7 +180,7 @@ class InFlight:
                 "top_ids": [t for t, _ in lp.top], "top_bytes": [of(t)[1] for t, _ in lp.top]}
 
     def _done(self, request_id: str) -> None:
-        act = self.requests.pop(request_id)
+        act = self._pop(request_id)
         self.outbox.reply(act.reply_channel, protocol.Done(
             request_id=request_id, seq=act.next_seq(), prompt_tokens=act.prompt_tokens,
             completion_tokens=sum(act.completion_tokens.values())), act.version)
@@ -140,7 +189,7 @@ class InFlight:
 
     def fail(self, request_id: str, error: RequestError) -> None:
         """An admitted request failed: the engine lets it go, its client gets the error."""
-        act = self.requests.pop(request_id, None)
+        act = self._pop(request_id)
         if act is None:
             return
         try:
@@ -156,7 +205,7 @@ class InFlight:
     def cancel(self, request_id: str) -> None:
         """Aborted in the engine at once, so its blocks are free for the next step; no reply (the
         client is gone)."""
-        act = self.requests.pop(request_id, None)
+        act = self._pop(request_id, release=False)
         if act is None:
             return
         self.engine.abort(request_id)
@@ -169,7 +218,7 @@ class InFlight:
         runs (their answers queue behind the held replies)."""
         now = time.time()
         for rid in [rid for rid, act in self.requests.items() if now > act.deadline]:
-            act = self.requests.pop(rid)
+            act = self._pop(rid)
             self.engine.abort(rid)
             self.outbox.error(act.reply_channel, rid, act.next_seq(), act.version, "timeout",
                               "request deadline passed while Redis refused writes")

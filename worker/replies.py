@@ -43,6 +43,11 @@ class Outbox:
         self.held: list[tuple] = []  # commands Redis refused for now, in order: sent first next flush
         self.cluster = is_cluster(client)  # a cluster pipeline refuses PUBLISH: sent on its own
 
+    @property
+    def empty(self) -> bool:
+        """Nothing to send (a flush without reads would be no round trip)."""
+        return not (self.held or self.outgoing or self.ops)
+
     def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply,
               version: int | None = None) -> None:
         """`version`: the schema of the request's entry, so a gateway of that version reads it."""

@@ -34,6 +34,10 @@ from worker.thinking import Markers
 
 log = logging.getLogger("kvgate.worker")
 
+# while a step has nothing to send (a whole answer's deltas are held: worker/held.py), new entries
+# are read at most this often, so steps faster than a Redis round trip do not each wait for one
+READ_EVERY_S = 0.001
+
 
 class WorkerService:
     def __init__(self, settings: WorkerSettings, engine, tokenizer):
@@ -54,13 +58,14 @@ class WorkerService:
         self.yielding = self.fair is not None and settings.fair_yield and hasattr(engine, "yield_slot")
         self.outbox = Outbox(self.redis, self.consumer.stream, settings.worker_id,
                              settings.max_checkpoint_bytes)
-        self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer)
+        self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer, settings.hold_s)
         markers = Markers.of(tokenizer, settings.reasoning_parser) if settings.reasoning_parser else None
         self.chat_markers = chat_markers(tokenizer)  # for clients that write chats as text (kvgate.lang)
         self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
                                    self.inflight, markers)
         self.cancels = CancelListener(self.redis, self.stopping)
         self.heartbeat = Heartbeat(self.redis, settings, self.stopping, self.registry_entry)
+        self.last_read = 0.0  # time.monotonic() of the last flush that read new entries
 
     def run(self) -> None:
         self._until_redis(self.consumer.ensure_groups)
@@ -119,9 +124,14 @@ class WorkerService:
         else:
             self._pull()
         self._step()
+        self.inflight.release_due()
         reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity(), self.yielding)
+        now = time.monotonic()
+        if reads and self.outbox.empty and now - self.last_read < READ_EVERY_S:
+            reads = []  # nothing goes out and the last read was just now: step on
         if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
             self.consumer.received(reads, replies)
+            self.last_read = now if reads else self.last_read
         if not self.outbox.held:
             self.backoff.reset()
 
