@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gateway.deps import StateDep
-from gateway.keys import KeyRecord, bootstrap_keys
+from gateway.keys import BOOTSTRAP, KeyRecord, bootstrap_keys, bootstrap_record
 from gateway.state import GatewayState
 from shared import names
 from shared.batches import token_batch
@@ -31,9 +31,10 @@ def api_key(request: Request) -> str | None:
 
 def _bootstrap(settings, token: str) -> KeyRecord | None:
     """The dev key and the admin key from settings, compared in constant time."""
-    for secret, record in bootstrap_keys(settings):
+    for field, key_id, role in BOOTSTRAP:  # a record is built only for the key that matched
+        secret = getattr(settings, field)
         if secret is not None and hmac.compare_digest(token.encode(), secret.get_secret_value().encode()):
-            return record
+            return bootstrap_record(key_id, role)
     return None
 
 
