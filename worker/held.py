@@ -29,16 +29,17 @@ class _Choice:
     prompt_logprobs: list[dict | None] | None = None
     finish_reason: str | None = None
 
-    def add(self, d: protocol.Delta) -> None:
-        self.texts.append(d.text)
-        if d.reasoning:
-            self.reasonings.append(d.reasoning)
-        self.token_ids += d.token_ids
-        if d.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + d.logprobs
+    def add(self, text: str, reasoning: str | None, token_ids: list[int], logprobs: list[dict] | None,
+            prompt_logprobs: list[dict | None] | None, finish_reason: str | None) -> None:
+        self.texts.append(text)
+        if reasoning:
+            self.reasonings.append(reasoning)
+        self.token_ids += token_ids
+        if logprobs is not None:
+            self.logprobs = (self.logprobs or []) + logprobs
         if self.prompt_logprobs is None:
-            self.prompt_logprobs = d.prompt_logprobs
-        self.finish_reason = d.finish_reason or self.finish_reason
+            self.prompt_logprobs = prompt_logprobs
+        self.finish_reason = finish_reason or self.finish_reason
 
     def delta(self, request_id: str, seq: int, index: int) -> protocol.Delta:
         return protocol.Delta(request_id=request_id, seq=seq, index=index, text="".join(self.texts),
@@ -54,8 +55,9 @@ class Held:
     since: float = field(default_factory=time.monotonic)
     choices: dict[int, _Choice] = field(default_factory=dict)
 
-    def add(self, d: protocol.Delta) -> None:
-        self.choices.setdefault(d.index, _Choice()).add(d)
+    def choice(self, index: int) -> _Choice:
+        """Where choice `index`'s next delta goes (no Delta is built for a held one)."""
+        return self.choices.setdefault(index, _Choice())
 
     def take(self, index: int | None = None) -> list[tuple[int, _Choice]]:
         """The held choices (one, or all in index order), removed from here."""

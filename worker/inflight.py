@@ -100,16 +100,17 @@ class InFlight:
         act.completion_tokens[out.index] = out.num_output_tokens
         self.metrics.output(out)
         reasoning, text = act.split(out)
-        delta = protocol.Delta(
-            request_id=out.request_id, seq=0, index=out.index, text=text, reasoning=reasoning or None,
-            token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
-            prompt_logprobs=self._wire_prompt_logprobs(out),
-            finish_reason=out.finish_reason if out.finished else None)
+        finish = out.finish_reason if out.finished else None
         if act.streamed or not act.sent_token or not self.hold_s:
-            act.sent_token = act.sent_token or bool(delta.token_ids)
-            self._send(act, delta)
+            act.sent_token = act.sent_token or bool(out.new_token_ids)
+            self._send(act, protocol.Delta(
+                request_id=out.request_id, seq=0, index=out.index, text=text, reasoning=reasoning or None,
+                token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
+                prompt_logprobs=self._wire_prompt_logprobs(out), finish_reason=finish))
         else:
-            self._hold(out.request_id, act, delta)
+            self._held(out.request_id, act).choice(out.index).add(
+                text, reasoning, out.new_token_ids, self._wire_logprobs(out), self._wire_prompt_logprobs(out),
+                finish)
             if out.finished:
                 self._release(out.request_id, act, out.index)
         if out.finished:
@@ -121,11 +122,11 @@ class InFlight:
         delta.seq = act.next_seq()
         self.outbox.reply(act.reply_channel, delta, act.version)
 
-    def _hold(self, request_id: str, act: Active, delta: protocol.Delta) -> None:
+    def _held(self, request_id: str, act: Active) -> Held:
         if act.held is None:
             act.held = Held()
             self.holding.add(request_id)
-        act.held.add(delta)
+        return act.held
 
     def _release(self, request_id: str, act: Active, index: int | None = None) -> None:
         """Send what `act` holds of choice `index` (None: of every choice) as one delta each."""
