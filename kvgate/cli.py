@@ -280,6 +280,10 @@ from kvgate.bench.fairness import fairness_command  # noqa: E402  (noisy neighbo
 
 bench.add_command(fairness_command, "fairness")
 
+from kvgate.bench.cpu import cpu_command  # noqa: E402  (CPU per request of each process of the path)
+
+bench.add_command(cpu_command, "cpu")
+
 
 @bench.command("sampler")
 @click.option("--reps", default=5, show_default=True, help="Timed calls per figure (median)")

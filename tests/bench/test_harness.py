@@ -85,3 +85,22 @@ def test_figures_carry_the_issues_names_with_three_rounds():
                                          "ttft_added_ms_p50", "vs_naive_c64"}
     assert figs["vs_naive_c64"] == 10.0 and figs["ttft_added_ms_p50"] == 2.0
     assert figs["overhead_p50_vs_portkey"] == 0.75 and figs["mix_short_ttft_p99_ratio"] is None
+
+
+def test_cpu_per_request_reads_each_role_and_divides_by_the_requests():
+    """`kvgate bench cpu`'s arithmetic on this process's own counters (the stack is not started here)."""
+    import os
+
+    import psutil
+
+    from kvgate.bench.cpu import per_request
+
+    me = psutil.Process(os.getpid())
+    t0 = me.cpu_times()
+    sum(i * i for i in range(300_000))  # some user time
+    t1 = me.cpu_times()
+    out = per_request({"gateway": (t0.user, t0.system)}, {"gateway": (t1.user, t1.system)}, 10)
+    assert out["gateway"]["user_ms"] == pytest.approx(100 * (t1.user - t0.user), abs=1e-3)
+    assert out["gateway"]["total_ms"] == pytest.approx(out["gateway"]["user_ms"] + out["gateway"]["system_ms"], abs=2e-3)
+    assert per_request({"worker": (1.0, 0.5)}, {"worker": (1.2, 0.5), "redis": (9.0, 9.0)}, 4) == {
+        "worker": {"user_ms": 50.0, "system_ms": 0.0, "total_ms": 50.0}}  # only roles read both times
