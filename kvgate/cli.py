@@ -175,6 +175,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
                     workers=workers, log_level="warning", log_config=None,
                     timeout_graceful_shutdown=int(grace),
                     loop=settings.event_loop, http=settings.http_parser,
+                    timeout_keep_alive=settings.http_keepalive_s,
                     ssl_certfile=str(certfile) if certfile else None,
                     ssl_keyfile=str(keyfile) if keyfile else None)
 

@@ -71,6 +71,11 @@ class GatewaySettings(FilesSettings):
     http_parser: Literal["auto", "httptools", "h11"] = Field(
         "auto", description="uvicorn's HTTP/1.1 implementation for the gateway (`--http`): auto "
         "takes httptools when installed; h11 is pure Python")
+    http_keepalive_s: int = Field(
+        75, ge=1, le=3600, description="Seconds an idle client connection stays open (uvicorn's "
+        "--timeout-keep-alive, 5 by default there): longer than a client's own pool keeps one (the "
+        "openai client's httpx: 5 s), so the client, not the server, closes it first, and a request "
+        "sent as the server hangs up never fails")
     ssl_certfile: Path | None = Field(None, description="TLS: the gateway's certificate chain "
                                       "(PEM); with KVGATE_SSL_KEYFILE the port speaks HTTPS only")
     ssl_keyfile: Path | None = Field(None, description="TLS: the private key of "
