@@ -18,6 +18,12 @@ import redis
 
 
 def find_redis_server() -> str:
+    """KVGATE_REDIS_SERVER when set (a path), else `redis-server` on PATH, else the wheel's."""
+    named = os.environ.get("KVGATE_REDIS_SERVER")
+    if named:
+        if not Path(named).is_file():
+            raise RuntimeError(f"KVGATE_REDIS_SERVER={named} is not a file")
+        return named
     found = shutil.which("redis-server")
     if found:
         return found
@@ -49,8 +55,14 @@ class TlsServerFiles:
                 "--tls-ca-cert-file", str(self.ca), "--tls-auth-clients", "no"]
 
     def env(self) -> dict[str, str]:
-        libs = Path(self.binary).resolve().parents[1] / "lib" / "x86_64-linux-gnu"
-        return {**os.environ, "LD_LIBRARY_PATH": str(libs)} if libs.is_dir() else dict(os.environ)
+        return server_env(self.binary)
+
+
+def server_env(binary: str) -> dict[str, str]:
+    """The environment to run `binary` in: a package unpacked outside the system (`make
+    redis-tls`: Debian's build, jemalloc and all) finds its libraries beside it."""
+    libs = Path(binary).resolve().parents[1] / "lib" / "x86_64-linux-gnu"
+    return {**os.environ, "LD_LIBRARY_PATH": str(libs)} if libs.is_dir() else dict(os.environ)
 
 
 def find_tls_redis_server() -> str | None:
@@ -108,7 +120,8 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0) -> "RedisServer":
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        binary, env = (self.tls.binary, self.tls.env()) if self.tls else (find_redis_server(), None)
+        binary = self.tls.binary if self.tls else find_redis_server()
+        env = server_env(binary)
         ports = (["--port", "0", "--tls-port", str(self.port), *self.tls.args()] if self.tls
                  else ["--port", str(self.port)])
         args = [binary, "-",  # "-": more configuration on stdin (the password)
@@ -253,7 +266,8 @@ class RedisSentinelServers:
                             f"sentinel monitor {self.service} 127.0.0.1 {self.primary.port} {quorum}\n"
                             f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}\n"
                             f"sentinel failover-timeout {self.service} {4 * self.down_after_ms}\n")
-            self.sentinels.append(subprocess.Popen([find_redis_server(), str(conf), "--sentinel"],
+            binary = find_redis_server()
+            self.sentinels.append(subprocess.Popen([binary, str(conf), "--sentinel"], env=server_env(binary),
                                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         self._wait(lambda: all(self._sees_all(p) for p in self.sentinel_ports), timeout)
         return self

@@ -36,6 +36,18 @@ def test_verdict_fails_a_leak_in_rss_redis_blocks_or_keys():
     assert leaked_blocks({"num_running": 0}) is None  # synthetic: no pool to leak from
 
 
+def test_a_step_at_the_restart_is_told_apart_from_a_climb():
+    """The verdict judges the whole run; the figures beside it show a step between two flat lives."""
+    step = [dict(_sample(1000 if i < 20 else 1100), t=float(i)) for i in range(40)]
+    v = verdict(step, 0, [], restart_at=20.0)
+    assert not v["passed"] and abs(v["rss_growth_by_process"]["worker"] - 0.1) < 1e-9
+    assert v["rss_restart_step"]["worker"] == 0.1 and v["rss_growth_by_life"]["worker"] == [0.0, 0.0]
+    climb = [dict(_sample(1000 + 10 * i), t=float(i)) for i in range(40)]
+    lives = verdict(climb, 0, [], restart_at=20.0)["rss_growth_by_life"]["worker"]
+    assert all(g > 0.05 for g in lives)  # a leak climbs within each life
+    assert verdict(step, 0, [], restart_at=38.0)["rss_growth_by_life"]["worker"] == [0.1]  # one life
+
+
 def test_burst_summary_flags_an_unclean_end_and_measures_recovery():
     spans = {"1x": (0, 10), "2x": (10, 20), "3x": (20, 30), "after": (30, 50)}
     ok = [Outcome(start=t, phase=p, label="short", status=200, ttft=0.05, tokens=4)

@@ -1,3 +1,6 @@
+import os
+
+import pytest
 import redis
 
 from shared.redis_server import RedisServer, find_redis_server
@@ -28,3 +31,19 @@ def test_a_password_is_required_and_never_on_the_command_line():
             assert raw.recv(100).startswith(b"-NOAUTH")
         with open(f"/proc/{server.proc.pid}/cmdline", "rb") as cmdline:
             assert password.encode() not in cmdline.read()
+
+
+def test_kvgate_redis_server_names_the_binary(tmp_path, monkeypatch):
+    """KVGATE_REDIS_SERVER picks the server (the soak runs on a jemalloc build with it)."""
+    monkeypatch.delenv("KVGATE_REDIS_SERVER", raising=False)
+    linked = tmp_path / "bin" / "redis-server"
+    linked.parent.mkdir()
+    os.symlink(find_redis_server(), linked)
+    monkeypatch.setenv("KVGATE_REDIS_SERVER", str(linked))
+    assert find_redis_server() == str(linked)
+    with RedisServer() as server:
+        assert server.proc.args[0] == str(linked)
+        assert redis.Redis.from_url(server.url).ping()
+    monkeypatch.setenv("KVGATE_REDIS_SERVER", str(tmp_path / "missing"))
+    with pytest.raises(RuntimeError, match="KVGATE_REDIS_SERVER"):
+        find_redis_server()
