@@ -8,7 +8,8 @@
 4. short requests' TTFT with long prompts arriving vs alone;
 plus the TTFT that gateway + Redis add over the same engine called in-process.
 The target figures are measured in `rounds` rounds within the one run, and reported with their spread.
-`--only overhead` runs part 2 alone (minutes) and merges it into the last full run's results.
+`--only overhead` runs part 2 alone (minutes) and merges it into the last full run's results;
+`--only added` the added TTFT alone, `--only engines` part 1 alone, likewise.
 Results go to docs/performance.md (its serve section), docs/perf/*.png and docs/perf/bench.json.
 """
 from __future__ import annotations
@@ -227,6 +228,14 @@ class Bench:
                 **{k: getattr(s, k) for k in ("mix_short_input", "mix_short_output", "mix_long_input",
                                               "mix_long_output")}}, added
 
+    def added(self) -> dict:
+        """The added TTFT alone, on a stack of its own (`--only added`)."""
+        server = self.procs.kvgate("cmp4-paged", self.model_dir, "paged")
+        try:
+            return self._ttft_added(server)
+        finally:
+            self.procs.stop(server.proc)
+
     def _ttft_added(self, server: Server) -> dict:
         """Streamed TTFT through the stack vs the same prompts on the same engine in this process,
         once per round (the two taking turns)."""
@@ -340,8 +349,9 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke check, not figures)")
-    ap.add_argument("--only", choices=["overhead"], help="run only the gateway-overhead part and merge it into "
-                    "the last run's results (OUT_DIR/results.json) if there is one")
+    ap.add_argument("--only", choices=sorted(ONLY), help="run only one part (overhead: the gateways; added: the "
+                    "TTFT gateway + Redis add; engines: paged vs naive) and merge it into the last run's results "
+                    "(OUT_DIR/results.json) if there is one")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per target figure [default: 3]")
     ap.add_argument("--client-processes", type=int, default=None, help="client processes for the ramp [default: 2]")
     ap.add_argument("--out-dir", default="bench-out/serve", help="logs and stack state")
@@ -369,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = procs.log_dir / "results.json"
     results = {}
     if args.only:  # the other parts come from the last run, as they were
-        steps = steps[1:2]
+        steps = [(ONLY[args.only], dict(steps).get(ONLY[args.only], bench.added))]
         results = json.loads(raw.read_text()) if raw.exists() else {}
     results.update(loadavg_start=os.getloadavg()[0], cpu_model=cpu_model())  # the machine is shared: say how busy
     try:
@@ -389,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     raw.write_text(json.dumps(results) + "\n")  # raw, for --from-results and the next --only run
     write_report(results, Path(args.docs), quick=args.quick)
     return 0
+
+
+ONLY = {"overhead": "gateways", "added": "ttft_added", "engines": "engines"}  # --only: the results' part
 
 
 def cpu_model() -> str:
