@@ -137,11 +137,11 @@ class StreamLeases:
         fields = held.fields() | {"request_id": lease.request_id, "deadline": repr(deadline),
                                   "follow": attempt_id,
                                   "shape": orjson.dumps(shape), "holder": self.me, "until": repr(until)}
-        pipe = self.redis.pipeline(transaction=False)
+        pipe = self.redis.pipeline(transaction=False)  # one round trip on the first token's path
         pipe.hset(lease.name, mapping=fields)
         pipe.expireat(lease.name, int(deadline + HOLD_S + self.grace_s + SETTLED_TTL_S))
+        pipe.zadd(names.OPEN_STREAMS, {lease.member: until})
         await pipe.execute()
-        await self.redis.zadd(names.OPEN_STREAMS, {lease.member: until})
         self.held.add(lease)
 
     async def follow(self, lease: StreamLease, attempt_id: str) -> None:

@@ -43,9 +43,10 @@ PHASES = {
 # Now: the key's limits are one script (gateway/limits.py ADMIT), run once the body is routed;
 # the version's breaker is passed in the bounded XADD's script (gateway/dispatch.py).
 # The settlement (tokens, usage, slot) is one transaction (gateway/holdings.py); a stream's also
-# claims its lease (stream_leases.py) and drops it from the open-streams index.
+# claims its lease (stream_leases.py) and drops it from the open-streams index. A stream's lease
+# and its open-streams entry are written in one pipeline before its first token goes out.
 NON_STREAMED = {"auth": 1, "limits": 1, "dispatch": 1, "settle": 1}
-STREAMED = {**NON_STREAMED, "stream": 2, "settle": 3}
+STREAMED = {**NON_STREAMED, "stream": 1, "settle": 3}
 BEFORE_XADD = 2  # key lookup, the key's limits
 
 _trips: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("trips", default=None)
