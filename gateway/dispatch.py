@@ -28,7 +28,8 @@ log = logging.getLogger("kvgate.gateway")
 KEEPALIVE = None  # what `replies()` yields when nothing arrived for a keep-alive interval
 RESYNC = object()  # put in every open queue after a resubscribe: replies may have been missed
 CANCEL_MARK_TTL_S = 600
-FOLLOW_POLL_S = 0.05  # how often a follower reads the reply log for new lines
+FOLLOW_POLL_S = 0.05  # how often a follower reads the reply log when it cannot hear its worker
+FOLLOW_WAKE_S = 0.5  # ... and when it can (a message it missed is read this much later at most)
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
 # An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms; 0: none),
 # and a first attempt passes its version's circuit breaker (KEYS[3], when ARGV[5] is 1), all in
@@ -65,6 +66,11 @@ class Dispatcher:
         self._xadd_bounded = redis.register_script(_XADD_BOUNDED)
         self.channel = names.reply_channel(gateway_id)
         self.queues: dict[str, asyncio.Queue] = {}
+        # resumed streams: the other gateways' channels their workers publish to, and the
+        # followers a message there wakes (LogFollower reads its log at once, not at the next poll)
+        self.watched: dict[str, int] = {}
+        self.wakers: dict[str, set[asyncio.Event]] = {}
+        self._pubsub = None
         self.subscribed = asyncio.Event()
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
@@ -91,17 +97,61 @@ class Dispatcher:
     async def _listen(self) -> None:
         await self.redis.ping()  # a cluster client learns its slot map here; pubsub needs it
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.channel)
+        own = self.channel.encode()
+        await pubsub.subscribe(self.channel, *self.watched)
+        self._pubsub = pubsub
         try:
             async for msg in pubsub.listen():
-                if msg["type"] == "subscribe":
+                if msg["type"] == "message":
+                    if msg["channel"] == own:
+                        self._deliver(msg["data"])
+                    else:
+                        self._wake(protocol.addressees(msg["data"]))
+                elif msg["type"] == "subscribe" and msg["channel"] == own:
                     self.subscribed.set()
                     for queue in self.queues.values():  # published while we were away?
                         queue.put_nowait(RESYNC)
-                elif msg["type"] == "message":
-                    self._deliver(msg["data"])
+                    for wakers in self.wakers.values():
+                        for waker in wakers:
+                            waker.set()
         finally:
+            self._pubsub = None
             await pubsub.aclose()
+
+    async def watch(self, channel: str | None, request_id: str) -> asyncio.Event:
+        """A follower's wake-up: set when a message for `request_id` is published on `channel` (the
+        channel of the gateway that dispatched it; None when unknown: nothing sets it)."""
+        waker = asyncio.Event()
+        self.wakers.setdefault(request_id, set()).add(waker)
+        if channel and channel != self.channel:
+            self.watched[channel] = self.watched.get(channel, 0) + 1
+            if self.watched[channel] == 1 and self._pubsub is not None:
+                try:
+                    await self._pubsub.subscribe(channel)
+                except Exception as exc:  # the follower polls its log regardless
+                    log.warning("could not listen on %s: %s", channel, type(exc).__name__)
+        return waker
+
+    def unwatch(self, channel: str | None, request_id: str, waker: asyncio.Event) -> None:
+        """Undoes one `watch` (a second call does nothing)."""
+        wakers = self.wakers.get(request_id, set())
+        if waker not in wakers:
+            return
+        wakers.discard(waker)
+        if not wakers:
+            del self.wakers[request_id]
+        if not channel or channel not in self.watched:
+            return
+        self.watched[channel] -= 1
+        if self.watched[channel] == 0:
+            del self.watched[channel]
+            if self._pubsub is not None:
+                self._spawn(self._pubsub.unsubscribe(channel))
+
+    def _wake(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            for waker in self.wakers.get(request_id, ()):
+                waker.set()
 
     def _deliver(self, raw: bytes) -> None:
         """One message carries a worker step's replies to this gateway; each goes to its request.
@@ -121,6 +171,8 @@ class Dispatcher:
             queue = self.queues.get(reply.request_id)
             if queue is not None:
                 queue.put_nowait(reply)
+            elif self.wakers:
+                self._wake([reply.request_id])  # resumed here, dispatched here too
 
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
@@ -197,7 +249,15 @@ class Dispatcher:
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Fire-and-forget: safe to call from a cancelled task's `finally`."""
-        task = asyncio.create_task(self._cancel(request_id, reason))
+        self._spawn(self._cancel(request_id, reason))
+
+    def _spawn(self, work: Awaitable) -> None:
+        async def quietly() -> None:
+            try:
+                await work
+            except Exception as exc:  # Redis away: nothing waits on it
+                log.debug("background Redis call failed: %s", type(exc).__name__)
+        task = asyncio.create_task(quietly())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -415,28 +475,48 @@ class Handle:
 class LogFollower(Handle):
     """The replies of a request being resumed, read from its reply log: the worker publishes to the
     channel of the gateway that dispatched it, which may be gone, and appends every reply to the
-    log as it publishes it. The log only grows, so each read fetches only the lines not yet read."""
+    log as it publishes it. The log only grows, so each read fetches only the lines not yet read.
+    It reads when the worker publishes a step (this gateway listens on `channel`, the dispatching
+    gateway's, for as long as it follows), and every FOLLOW_WAKE_S in case it missed one
+    (FOLLOW_POLL_S when the channel is unknown: a lease written before it was kept)."""
 
-    def __init__(self, dispatcher: Dispatcher, request_id: str, deadline: float):
+    def __init__(self, dispatcher: Dispatcher, request_id: str, deadline: float, channel: str | None = None):
         super().__init__(dispatcher, request_id, asyncio.Queue(), deadline)
+        self.channel = channel
+        self._waker: asyncio.Event | None = None
         self._read = 0  # lines of the log read so far
         self._truncated = False  # the worker stopped appending deltas (KVGATE_MAX_CHECKPOINT_BYTES)
 
     async def replies(self, keepalive_s: float) -> AsyncIterator[protocol.Delta | protocol.Done | None]:
+        self._waker = waker = await self.dispatcher.watch(self.channel, self.request_id)
+        every = FOLLOW_WAKE_S if self.channel else FOLLOW_POLL_S
         quiet = time.monotonic()
-        while not self.done:
-            if time.time() >= self.deadline:
-                raise self._give_up()
-            fresh = await self._tail()
-            for reply in fresh:
-                yield self._accept(reply)
-            if fresh:
-                quiet = time.monotonic()
-            elif time.monotonic() - quiet >= keepalive_s:
-                quiet = time.monotonic()
-                yield KEEPALIVE
-            else:
-                await asyncio.sleep(FOLLOW_POLL_S)
+        try:
+            while not self.done:
+                if time.time() >= self.deadline:
+                    raise self._give_up()
+                waker.clear()  # a step published from here on wakes the wait below
+                fresh = await self._tail()
+                for reply in fresh:
+                    yield self._accept(reply)
+                if fresh:
+                    quiet = time.monotonic()
+                elif time.monotonic() - quiet >= keepalive_s:
+                    quiet = time.monotonic()
+                    yield KEEPALIVE
+                else:
+                    wait = min(every, keepalive_s - (time.monotonic() - quiet), self.deadline - time.time())
+                    try:
+                        await asyncio.wait_for(waker.wait(), timeout=max(wait, 0.001))
+                    except asyncio.TimeoutError:
+                        pass
+        finally:
+            self.dispatcher.unwatch(self.channel, self.request_id, waker)
+
+    def close(self, reason: str = "client_disconnected") -> None:
+        if self._waker is not None:  # the generator's own finally may run later, when collected
+            self.dispatcher.unwatch(self.channel, self.request_id, self._waker)
+        super().close(reason)
 
     async def _tail(self) -> list:
         """The log's new replies after last_seq, in order; a gap (a truncated log) raises."""

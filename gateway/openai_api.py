@@ -253,7 +253,7 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
     stream = StreamLease(lease.key.id, request_id)
     record = await state.streams.find(stream)
     follower = LogFollower(state.dispatcher, record.get("follow", request_id) if record else request_id,
-                           float(record["deadline"]) if record else 0)
+                           float(record["deadline"]) if record else 0, record and record.get("channel"))
     got = Attach.GONE if record is None or record.get("settled") == ABANDONED else \
         await state.streams.attach(stream)
     if got == Attach.SETTLED and not await state.redis.exists(names.checkpoint_key(request_id)):

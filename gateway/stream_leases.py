@@ -135,7 +135,7 @@ class StreamLeases:
         the request id whose reply log a resume follows (a retry's, gateway/retry.py)."""
         until = self._held_until()
         fields = held.fields() | {"request_id": lease.request_id, "deadline": repr(deadline),
-                                  "follow": attempt_id,
+                                  "follow": attempt_id, "channel": names.reply_channel(self.me),
                                   "shape": orjson.dumps(shape), "holder": self.me, "until": repr(until)}
         pipe = self.redis.pipeline(transaction=False)  # one round trip on the first token's path
         pipe.hset(lease.name, mapping=fields)

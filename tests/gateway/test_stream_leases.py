@@ -45,6 +45,10 @@ async def test_renewal_keeps_a_held_lease_from_the_sweepers(client):
     cancelled: list = []
     a, b = _leases(client, "gw-a", cancelled), _leases(client, "gw-b", cancelled)
     lease = await _open(a, client)
+    # one pipeline wrote the lease and its open-streams entry; the lease names the channel its
+    # worker publishes to, which a gateway resuming it listens on (tests/gateway/test_log_follower.py)
+    assert await client.zscore(names.OPEN_STREAMS, lease.member) is not None
+    assert (await client.hget(lease.name, "channel")).decode() == names.reply_channel("gw-a")
     await client.hset(lease.name, "until", repr(time.time() - 10))  # as if the hold had run out
     await a.renew()
     assert await _until(client, lease) > time.time() + 1
