@@ -71,9 +71,16 @@ class Dispatcher:
         self.watched: dict[str, int] = {}
         self.wakers: dict[str, set[asyncio.Event]] = {}
         self._pubsub = None
+        self.also: dict[str, tuple[Callable[[bytes], None], Callable[[], None]]] = {}
         self.subscribed = asyncio.Event()
         self._listener: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()
+
+    def listen_also(self, channel: str, on_message: Callable[[bytes], None],
+                    on_subscribed: Callable[[], None]) -> None:
+        """Before `start`: another channel on the same subscription; `on_subscribed` runs each time
+        the subscription is (re)made (what was published while it was down is lost)."""
+        self.also[channel] = (on_message, on_subscribed)
 
     async def start(self) -> None:
         self._listener = asyncio.create_task(self._listen_forever())
@@ -98,16 +105,21 @@ class Dispatcher:
         await self.redis.ping()  # a cluster client learns its slot map here; pubsub needs it
         pubsub = self.redis.pubsub()
         own = self.channel.encode()
-        await pubsub.subscribe(self.channel, *self.watched)
+        also = {channel.encode(): handlers for channel, handlers in self.also.items()}
+        await pubsub.subscribe(self.channel, *self.also, *self.watched)
         self._pubsub = pubsub
         try:
             async for msg in pubsub.listen():
                 if msg["type"] == "message":
                     if msg["channel"] == own:
                         self._deliver(msg["data"])
+                    elif (handlers := also.get(msg["channel"])) is not None:
+                        handlers[0](msg["data"])
                     else:
                         self._wake(protocol.addressees(msg["data"]))
                 elif msg["type"] == "subscribe" and msg["channel"] == own:
+                    for _, on_subscribed in self.also.values():  # one SUBSCRIBE: all are live now
+                        on_subscribed()
                     self.subscribed.set()
                     for queue in self.queues.values():  # published while we were away?
                         queue.put_nowait(RESYNC)

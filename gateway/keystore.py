@@ -5,10 +5,19 @@ change applied in Python, and the transaction commits only if nobody wrote the k
 it reads again). So a PATCH that races a revoke applies to the revoked record, never over it, and
 of two rotations the second expires the first one's secret. (The JSON is merged in Python, not in
 Lua: Lua's cjson keeps 14 significant digits of a number.)
+
+A gateway keeps the records it looked up for `cache_s` (KVGATE_KEY_CACHE_S), which takes the key
+lookup off the request path. Every write publishes the key's id on KEYS_CHANGED_CHANNEL; each
+gateway drops that key's records as the message arrives (its own writes drop them before they
+return), and all of them when its subscription is renewed, so a revoke, a PATCH or a rotation
+reaches every replica as fast as a pub/sub message; `cache_s` only bounds what a missed message
+could keep (a write made outside KeyStore, a subscription lost and not yet renewed). A rotated-out
+secret is kept no longer than its digest lives in Redis. Unknown secrets are never cached.
 """
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -21,12 +30,13 @@ from shared.errors import Conflict, NotFound
 
 WRITE_RETRIES = 100  # every retry means another write committed: N racing writers need < N
 
-# One round trip from a digest to the record, so no gateway needs a cache that could hide a revoke.
+# One round trip from a digest to the record and to how long the digest lives (-1: for good).
 LOOKUP = """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
-return redis.call('HGET', '%s:' .. id, 'record')
+return {redis.call('HGET', '%s:' .. id, 'record'), redis.call('PTTL', KEYS[1])}
 """ % names.key_record("").rstrip(":")
+CACHED_KEYS = 4096  # records one gateway keeps (the least recently used go first)
 
 NAME_TAKEN, CREATED = 0, 1  # what CREATE answers
 
@@ -44,23 +54,73 @@ def _not_found(name_or_id: str) -> NotFound:
 
 
 class KeyStore:
-    def __init__(self, redis: aioredis.Redis, server_secret: str):
+    def __init__(self, redis: aioredis.Redis, server_secret: str, cache_s: float = 0.0,
+                 live: Callable[[], bool] = lambda: False):
         self.redis = redis
         self._server_secret = server_secret
         self._lookup = redis.register_script(LOOKUP)
         self._create = redis.register_script(CREATE)
+        self.cache_s = cache_s
+        self.live = live  # whether changes reach this process now (its subscription is up): else no cache
+        self._cache: OrderedDict[str, tuple[KeyRecord, float]] = OrderedDict()  # digest -> (record, until)
+        self._epoch = 0  # moved by every forget: a lookup begun before one does not cache what it read
 
     def digest(self, secret: str) -> str:
         return digest(self._server_secret, secret)
 
     async def lookup(self, secret: str) -> KeyRecord | None:
-        digest_key = names.key_digest(self.digest(secret))
+        d = self.digest(secret)
+        live = self.cache_s > 0 and self.live()
+        if live and (hit := self._cache.get(d)) is not None:
+            if hit[1] > time.monotonic():
+                self._cache.move_to_end(d)
+                return hit[0]
+            del self._cache[d]
+        epoch = self._epoch
+        raw, ttl_ms = await self._read(names.key_digest(d))
+        if not raw:
+            return None
+        record = KeyRecord.model_validate_json(raw)
+        if live and epoch == self._epoch:
+            keep = self.cache_s if ttl_ms < 0 else min(self.cache_s, ttl_ms / 1000)
+            self._cache[d] = (record, time.monotonic() + keep)
+            if len(self._cache) > CACHED_KEYS:
+                self._cache.popitem(last=False)
+        return record
+
+    async def _read(self, digest_key: str) -> tuple[bytes | None, int]:
+        """The record a digest names and the digest's remaining life in ms (-1: no expiry)."""
         if is_cluster(self.redis):  # digest and record in two slots: two reads (a revoke between is read)
-            key_id = await self.redis.get(digest_key)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.get(digest_key)
+            pipe.pttl(digest_key)
+            key_id, ttl_ms = await pipe.execute()
             raw = key_id and await self.redis.hget(names.key_record(key_id.decode()), "record")
         else:  # one round trip
-            raw = await self._lookup(keys=[digest_key])
-        return KeyRecord.model_validate_json(raw) if raw else None
+            found = await self._lookup(keys=[digest_key])
+            raw, ttl_ms = found if found else (None, -2)
+        return raw, int(ttl_ms)
+
+    def forget(self, key_id: str | None = None) -> None:
+        """Drops the cached records of `key_id` (None: all of them)."""
+        self._epoch += 1
+        if key_id is None:
+            self._cache.clear()
+            return
+        for d in [d for d, (record, _) in self._cache.items() if record.id == key_id]:
+            del self._cache[d]
+
+    def on_changed(self, message: bytes) -> None:
+        """A KEYS_CHANGED_CHANNEL message: the id of a key written somewhere."""
+        self.forget(message.decode(errors="replace"))
+
+    async def _changed(self, key_id: str) -> None:
+        """After a write: this process's copies go now, every other gateway's as the message lands."""
+        self.forget(key_id)
+        try:
+            await self.redis.publish(names.KEYS_CHANGED_CHANNEL, key_id)
+        except Exception:  # the write stands; the others' copies expire within cache_s
+            pass
 
     async def create(self, record: KeyRecord) -> tuple[KeyRecord, str]:
         """Store a new key (its name must be free); the secret is returned once, here."""
@@ -117,6 +177,12 @@ class KeyStore:
     async def update(self, key_id: str, edit: Callable[[KeyRecord], KeyRecord]) -> KeyRecord:
         """Apply `edit` to the record as it is now and store the result; a rename moves the name
         index in the same transaction (the new name must be free)."""
+        try:
+            return await self._update(key_id, edit)
+        finally:
+            await self._changed(key_id)
+
+    async def _update(self, key_id: str, edit: Callable[[KeyRecord], KeyRecord]) -> KeyRecord:
         if is_cluster(self.redis):  # the name index is in another slot
             return await self._update_in_steps(key_id, edit)
         record_key = names.key_record(key_id)
@@ -176,7 +242,8 @@ class KeyStore:
             await _committed(pipe)
 
     async def revoke(self, key_id: str) -> KeyRecord:
-        """Revoked at once on every replica (lookups read Redis); the record stays for audit."""
+        """Revoked at once on every replica (each drops its copy as the change is published); the
+        record stays for audit."""
         def revoked(record: KeyRecord) -> KeyRecord:
             if record.status == "revoked":
                 return record
@@ -186,6 +253,12 @@ class KeyStore:
     async def rotate(self, key_id: str, grace_s: int) -> tuple[KeyRecord, str]:
         """A new secret; the current one keeps working for `grace_s` seconds, then its digest
         expires (0: at once). Rotated-out digests always carry a TTL; only the current has none."""
+        try:
+            return await self._rotate(key_id, grace_s)
+        finally:
+            await self._changed(key_id)
+
+    async def _rotate(self, key_id: str, grace_s: int) -> tuple[KeyRecord, str]:
         secret = new_secret()
         d = self.digest(secret)
         record_key = names.key_record(key_id)

@@ -22,6 +22,7 @@ from gateway.retry import Retarget
 from gateway.routing import Router
 from gateway.stream_leases import StreamLeases
 from gateway.throttle import Throttle
+from shared import names
 from shared.batches import BatchStore
 from shared.files import FileStore
 from shared.redis_client import async_client, broker_options, broker_url
@@ -61,10 +62,13 @@ class GatewayState:
                                 settings.interactive_mark_ms, settings.max_entry_bytes,
                                 settings.retries_before_first_token, Retarget(router, registry),
                                 breaker, settings.fair_queue_per_key)
+        keystore = KeyStore(client, settings.secret.get_secret_value(), settings.key_cache_s,
+                            live=dispatcher.subscribed.is_set)
+        dispatcher.listen_also(names.KEYS_CHANGED_CHANNEL, keystore.on_changed, keystore.forget)
         return cls(
             settings=settings, throttle=throttle, redis=client, registry=registry, router=router,
             rescuer=Rescuer(client, router, settings.max_stream_depth),
-            keystore=KeyStore(client, settings.secret.get_secret_value()),
+            keystore=keystore,
             limits=limits, usage=usage,
             files=FileStore(client, settings.data_dir, settings.file_retention_s),
             batches=BatchStore(client, settings.file_retention_s),

@@ -41,6 +41,7 @@ def reply_channel(gateway_id: str) -> str:
 
 
 CANCEL_CHANNEL = f"{PREFIX}:cancel"
+KEYS_CHANGED_CHANNEL = f"{PREFIX}:keys:changed"  # a key record was written: its id (gateway caches)
 
 
 def cancelled_key(request_id: str) -> str:

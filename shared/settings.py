@@ -88,6 +88,9 @@ class GatewaySettings(FilesSettings):
     redis_max_connections: int = Field(256, ge=2, description="Redis connections per gateway process")
     redis_idle_timeout_s: float = Field(30.0, ge=0, description="Seconds a pooled Redis connection of a "
                                         "gateway may sit idle before it is closed (0: never)")
+    key_cache_s: float = Field(2.0, ge=0, le=60, description="Seconds a gateway keeps a key record it looked "
+                               "up; a change made through any gateway or the CLI drops every copy at once "
+                               "(pub/sub), this bounds a missed message (0: look up every request)")
     usage_retention_days: int = Field(400, ge=1, description="Days per-key usage counters are kept")
     gateway_id: str = Field(default_factory=lambda: secrets.token_hex(6),
                             description="Names this process's reply channel")

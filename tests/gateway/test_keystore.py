@@ -115,3 +115,69 @@ async def test_a_record_stored_before_cache_scope_reads_its_isolation(store):
         rewritten = await store.update(record.id, lambda r: r.model_copy(update={"rpm": 3}))
         raw = await store.redis.hget(names.key_record(record.id), "record")
         assert rewritten.cache_scope == scope and b"cache_isolation" not in raw
+
+
+# -- the records a gateway keeps (KVGATE_KEY_CACHE_S) ------------------------------------------
+async def _listening(redis_url: str, cache_s: float):
+    """A gateway's key store with its dispatcher's subscription, as gateway/state.py wires them."""
+    from gateway.dispatch import Dispatcher
+
+    client = aioredis.Redis.from_url(redis_url)
+    dispatcher = Dispatcher(client, f"gw-{secrets.token_hex(3)}")
+    store = KeyStore(client, "server-secret", cache_s, live=dispatcher.subscribed.is_set)
+    dispatcher.listen_also(names.KEYS_CHANGED_CHANNEL, store.on_changed, store.forget)
+    await dispatcher.start()
+    return store, dispatcher
+
+
+async def _eventually(check, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await check():
+        assert loop.time() < deadline, "not within the timeout"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_kept_record_is_dropped_on_every_gateway_when_its_key_changes(redis_server):
+    a, a_sub = await _listening(redis_server.url, cache_s=60)  # only a change could end a copy
+    b, b_sub = await _listening(redis_server.url, cache_s=60)
+    try:
+        record, secret = await a.create(a.new_record(name=_name(), rpm=5))
+        assert (await a.lookup(secret)).rpm == 5 and (await b.lookup(secret)).rpm == 5
+        # kept: a write behind the store's back (none of ours does this) is not seen ...
+        stale = record.model_copy(update={"rpm": 99}).model_dump_json()
+        await a.redis.hset(names.key_record(record.id), "record", stale)
+        assert (await a.lookup(secret)).rpm == 5
+        # ... a revoke through one gateway is, at once there and as its message lands on the other
+        await b.revoke(record.id)
+        assert (await b.lookup(secret)).status == "revoked"
+
+        async def a_sees_it() -> bool:
+            return (await a.lookup(secret)).status == "revoked"
+        await _eventually(a_sees_it)
+        # an unknown secret is never kept: a key made after a miss works at once
+        assert await a.lookup("sk-not-yet") is None
+    finally:
+        await a_sub.stop()
+        await b_sub.stop()
+
+
+async def test_nothing_is_kept_while_changes_cannot_arrive(store):
+    record, secret = await store.create(store.new_record(name=_name()))
+    offline = KeyStore(store.redis, "server-secret", cache_s=60)  # no subscription: live() is False
+    assert (await offline.lookup(secret)).status == "active"
+    await store.redis.hset(names.key_record(record.id), "record",
+                           record.model_copy(update={"status": "revoked"}).model_dump_json())
+    assert (await offline.lookup(secret)).status == "revoked"  # read again, not kept
+
+
+async def test_a_rotated_out_secret_is_kept_no_longer_than_its_grace(redis_server):
+    store, sub = await _listening(redis_server.url, cache_s=60)
+    try:
+        record, old = await store.create(store.new_record(name=_name()))
+        await store.rotate(record.id, grace_s=1)
+        assert await store.lookup(old) is not None  # within its grace, and now kept
+        await asyncio.sleep(1.3)
+        assert await store.lookup(old) is None  # the copy lived no longer than the digest
+    finally:
+        await sub.stop()

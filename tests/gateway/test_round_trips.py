@@ -44,10 +44,12 @@ PHASES = {
 # the version's breaker is passed in the bounded XADD's script (gateway/dispatch.py).
 # The settlement (tokens, usage, slot) is one transaction (gateway/holdings.py); a stream's also
 # claims its lease (stream_leases.py) and drops it from the open-streams index. A stream's lease
-# and its open-streams entry are written in one pipeline before its first token goes out.
-NON_STREAMED = {"auth": 1, "limits": 1, "dispatch": 1, "settle": 1}
+# and its open-streams entry are written in one pipeline before its first token goes out. The key's
+# record is kept by the gateway (KVGATE_KEY_CACHE_S, dropped at once on any change: pub/sub), so a
+# key that called within the last seconds costs no lookup.
+NON_STREAMED = {"auth": 0, "limits": 1, "dispatch": 1, "settle": 1}
 STREAMED = {**NON_STREAMED, "stream": 1, "settle": 3}
-BEFORE_XADD = 2  # key lookup, the key's limits
+BEFORE_XADD = 1  # the key's limits
 
 _trips: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("trips", default=None)
 
@@ -117,7 +119,8 @@ def test_round_trips_per_request(redis_server, worker, counting, monkeypatch):
     from shared.settings import GatewaySettings
     from shared.usage import utc_day
 
-    settings = GatewaySettings(redis_url=redis_server.url, secret="trips-secret", api_key="sk-boot")
+    settings = GatewaySettings(redis_url=redis_server.url, secret="trips-secret", api_key="sk-boot",
+                               key_cache_s=60)  # held for the test, like the route caches below
     app = create_app(settings)
     base = {"model": "trips", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 
