@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from gateway import retry
 from gateway.breaker import GATE, GATE_GRANT, Breaker, Refused, counts_against
 from gateway.errors import redis_unavailable
+from gateway.limits import ADMIT, AdmitCall, Verdict
 from gateway.queue_gate import QueueGate
 from gateway.timeouts import Timeouts
 from shared import names, protocol
@@ -47,6 +48,21 @@ if redis.call('XLEN', KEYS[1]) >= tonumber(ARGV[1]) then return {'full'} end
 if ARGV[4] ~= '0' then redis.call('SET', KEYS[2], '1', 'PX', ARGV[4]) end
 return {redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3]), verdict, entered}
 """
+# The key's limits (gateway/limits.py ADMIT: KEYS 1-4, ARGV 1-9, its own `{k:}` slot) and then, if
+# they admit, the bounded XADD (KEYS 5-7, ARGV 10-16): admission in one round trip, on one Redis
+# only (a cluster keeps them apart: two slots). Answers {limits' answer} or {limits', XADD's}.
+ADMIT_KEYS, ADMIT_ARGS = 4, 9
+_ADMIT_THEN_XADD = """
+local function admit(KEYS, ARGV)
+""" + ADMIT + """
+end
+local function enqueue(KEYS, ARGV)
+""" + _XADD_BOUNDED + """
+end
+local limits = admit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, {unpack(ARGV, 1, %(n)d)})
+if limits[1] ~= %(admitted)d then return {limits} end
+return {limits, enqueue({KEYS[5], KEYS[6], KEYS[7]}, {unpack(ARGV, %(n1)d, #ARGV)})}
+""" % {"n": ADMIT_ARGS, "n1": ADMIT_ARGS + 1, "admitted": Verdict.ADMITTED}
 
 
 class Dispatcher:
@@ -64,6 +80,7 @@ class Dispatcher:
         self.max_entry_bytes = max_entry_bytes
         self.interactive_mark_ms = interactive_mark_ms
         self._xadd_bounded = redis.register_script(_XADD_BOUNDED)
+        self._admit_then_xadd = redis.register_script(_ADMIT_THEN_XADD)
         self.channel = names.reply_channel(gateway_id)
         self.queues: dict[str, asyncio.Queue] = {}
         # resumed streams: the other gateways' channels their workers publish to, and the
@@ -189,19 +206,25 @@ class Dispatcher:
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
                      schema: int | None = None, probe: str | None = None,
-                     timeouts: Timeouts | None = None, gate: bool = False) -> "Handle":
+                     timeouts: Timeouts | None = None, gate: bool = False,
+                     before: AdmitCall | None = None) -> "Handle":
         """Enqueue, in the schema the stream's workers speak (`schema`, the oldest among them; None:
         workers from before they said, which spoke 1); an interactive entry also marks its model
         busy for the batch runners. `probe`: the breaker's token if this request is its version's
         probe (its first token closes the breaker). `gate`: pass the version's breaker in the same
         script (Refused if it is open; the probe's token comes from there). `timeouts`: its
         limits, counted from `entry.created` (the total is the entry's deadline). An interactive
-        entry first waits for its key's place on the stream (gateway/queue_gate.py)."""
+        entry first waits for its key's place on the stream (gateway/queue_gate.py). `before`:
+        the key's limits, checked first (raising their 429): in the XADD's round trip on one
+        Redis when the key's place is free now, else on their own before the wait."""
+        if before is not None and not self._joins(before, stream, entry, interactive):
+            before.conclude(await before.alone())
+            before = None
         first_token_by = timeouts.first_token_by(entry.created) if timeouts is not None else math.inf
         admitted = await self._place(stream, entry, interactive, min(first_token_by, entry.deadline),
                                      timeouts)
         try:
-            queue, granted = await self._enqueue(stream, entry, interactive, schema, gate)
+            queue, granted = await self._enqueue(stream, entry, interactive, schema, gate, before)
         except BaseException:
             admitted()
             raise
@@ -211,6 +234,12 @@ class Dispatcher:
         if timeouts is not None:
             handle.timeouts, handle.first_token_by = timeouts, first_token_by
         return handle
+
+    def _joins(self, before: AdmitCall, stream: str, entry: protocol.RequestEntry, interactive: bool) -> bool:
+        """Whether the limits can ride in the XADD's script: one Redis, and no wait for a place
+        between them (a request waits for its place only once its limits admitted it)."""
+        return (not is_cluster(self.redis) and len(before.keys) == ADMIT_KEYS and len(before.args) == ADMIT_ARGS
+                and self.queue_gate.open_now(entry.key_id if interactive else None, stream))
 
     async def _place(self, stream: str, entry: protocol.RequestEntry, interactive: bool, by: float,
                      timeouts: Timeouts | None) -> Callable[[], None]:
@@ -229,7 +258,8 @@ class Dispatcher:
         return (await self._enqueue(stream, entry, interactive, schema, gate=False))[0]
 
     async def _enqueue(self, stream: str, entry: protocol.RequestEntry, interactive: bool,
-                       schema: int | None, gate: bool) -> tuple[asyncio.Queue, str | None]:
+                       schema: int | None, gate: bool,
+                       before: AdmitCall | None = None) -> tuple[asyncio.Queue, str | None]:
         if not self.subscribed.is_set():
             raise Overloaded("gateway is reconnecting to Redis; retry shortly", retry_after=1)
         raw = protocol.encode(entry, version=protocol.peer_version(schema))
@@ -245,10 +275,20 @@ class Dispatcher:
         args = [self.max_stream_depth, protocol.ENTRY_FIELD, raw, mark_ms, int(gate),
                 self.breaker.open_ms if gate else 0, token]
         try:
-            added = await self._xadd_bounded(keys=keys, args=args)
+            if before is None:
+                added = await self._xadd_bounded(keys=keys, args=args)
+            else:
+                answer = await self._admit_then_xadd(keys=before.keys + keys, args=before.args + args)
         except Exception as exc:
             self.queues.pop(entry.request_id, None)
             raise redis_unavailable(exc) from exc
+        if before is not None:
+            try:
+                before.conclude(answer[0])  # the key's 429, if its limits refused (nothing was added)
+            except BaseException:
+                self.queues.pop(entry.request_id, None)
+                raise
+            added = answer[1]
         if added[0] in (b"refused", b"full"):
             self.queues.pop(entry.request_id, None)
             if added[0] == b"refused":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -157,6 +158,17 @@ class Admission:
     headers: dict[str, str]
 
 
+@dataclass(frozen=True)
+class AdmitCall:
+    """One admission's script call: its keys and arguments, how to run it alone, and what reads its
+    answer (an Admission, or the 429)."""
+
+    keys: list
+    args: list
+    alone: Callable[[], Awaitable[list]]
+    conclude: Callable[[list], Admission]
+
+
 class Limits:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings):
         self.redis = redis
@@ -176,28 +188,39 @@ class Limits:
         in flight taken (`slot_id`; `total_s` the request's time limit, default
         KVGATE_REQUEST_TIMEOUT_S), `estimate` tokens reserved on its minute and day; or 429
         naming the limit hit, with the headers. The token headers come back either way."""
+        call = self.prepare(key, count, slot_id, total_s, estimate)
+        return call.conclude(await call.alone())
+
+    def prepare(self, key: KeyRecord, count: bool = False, slot_id: str | None = None,
+                total_s: float | None = None, estimate: int | None = None) -> AdmitCall:
+        """`admit` as a script call not yet made: run it alone (`alone`), or ahead of the XADD in
+        the dispatcher's round trip (one Redis; gateway/dispatch.py), then `conclude` its answer."""
         now, total_s = time.time(), total_s or self.settings.request_timeout_s
         cap = key.max_concurrent if slot_id is not None and key.max_concurrent is not None else -1
         member = slot_id or secrets.token_hex(8)
         tpm, rpm = self.tpm(key), self.rpm(key)
-        verdict, bucket, used, token_wait, requests, rpm_wait_ms = await self._admit(
-            keys=[names.rpm_key(key.id), names.inflight_key(key.id), names.tpm_key(key.id),
-                  names.daily_tokens_key(key.id, utc_day(now))],
-            args=[rpm if count else -1, member, cap, now, now + total_s + 60, int(total_s) + 120,
-                  -1 if estimate is None else estimate, tpm,
-                  key.daily_tokens if key.daily_tokens is not None else -1])
-        headers = self.token_headers(tpm, used, token_wait)
-        if count:
-            headers |= {"x-ratelimit-limit-requests": str(rpm),
-                        "x-ratelimit-remaining-requests": str(max(0, rpm - requests)),
-                        "x-ratelimit-reset-requests": duration(rpm_wait_ms / 1000)}
-        if verdict != Verdict.ADMITTED:
-            raise _refusal(Verdict(verdict), key, headers, now, rpm=rpm, tpm=tpm, used=used,
-                           estimate=estimate, wait=rpm_wait_ms / 1000 if verdict == Verdict.OVER_RPM
-                           else token_wait)
-        reservation = (Reservation(key.id, int(bucket), utc_day(now), estimate)
-                       if estimate is not None else None)
-        return Admission(cap >= 0, reservation, headers)
+        keys = [names.rpm_key(key.id), names.inflight_key(key.id), names.tpm_key(key.id),
+                names.daily_tokens_key(key.id, utc_day(now))]
+        args = [rpm if count else -1, member, cap, now, now + total_s + 60, int(total_s) + 120,
+                -1 if estimate is None else estimate, tpm,
+                key.daily_tokens if key.daily_tokens is not None else -1]
+
+        def conclude(answer: list) -> Admission:
+            verdict, bucket, used, token_wait, requests, rpm_wait_ms = answer
+            headers = self.token_headers(tpm, used, token_wait)
+            if count:
+                headers |= {"x-ratelimit-limit-requests": str(rpm),
+                            "x-ratelimit-remaining-requests": str(max(0, rpm - requests)),
+                            "x-ratelimit-reset-requests": duration(rpm_wait_ms / 1000)}
+            if verdict != Verdict.ADMITTED:
+                raise _refusal(Verdict(verdict), key, headers, now, rpm=rpm, tpm=tpm, used=used,
+                               estimate=estimate, wait=rpm_wait_ms / 1000 if verdict == Verdict.OVER_RPM
+                               else token_wait)
+            reservation = (Reservation(key.id, int(bucket), utc_day(now), estimate)
+                           if estimate is not None else None)
+            return Admission(cap >= 0, reservation, headers)
+
+        return AdmitCall(keys, args, lambda: self._admit(keys=keys, args=args), conclude)
 
     # -- one limit at a time (files, tests): each is `admit` asked for one thing ----------------
     async def count_request(self, key: KeyRecord) -> dict[str, str]:

@@ -22,6 +22,7 @@ from gateway.breaker import Refused
 from gateway.deps import StateDep
 from gateway.dispatch import KEEPALIVE, Handle, LogFollower, Lookahead
 from gateway.holdings import Holdings
+from gateway.limits import Admission, AdmitCall
 from gateway.routing import VERSION_HEADER, observed, version_header
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
@@ -141,10 +142,10 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     facts, outputs, entry = await _prepared(state, lease, call, outcome.version)
     if constraint is not None:
         await structured.check(constraint, state.settings.grammar_check_timeout_s)
-    await _admit(request, state, lease, call, facts.max_model_len)
+    limits = await _limits(request, state, lease, call, facts.max_model_len)
     logs.rename_request(entry.request_id)
-    try:
-        handle = await _submit(state, lease, entry, facts, outcome, gate=True)
+    try:  # the key's limits, then the XADD: one round trip when they can share it (dispatch.py)
+        handle = await _submit(state, lease, entry, facts, outcome, gate=True, before=limits)
     except Refused:  # a canary's request goes to its stable version, or the 503 stands
         outcome = await state.router.past_breaker(outcome, forced is not None)
         if outcome.version != entry.version:
@@ -173,11 +174,11 @@ async def _prepared(state: GatewayState, lease: Lease, call: Call, version: str)
 
 
 async def _submit(state: GatewayState, lease: Lease, entry: protocol.RequestEntry, facts, outcome,
-                  gate: bool) -> Handle:
+                  gate: bool, before: AdmitCall | None = None) -> Handle:
     stream = names.request_stream(entry.model, entry.version, lease.lane)
     return await state.dispatcher.submit(stream, entry, interactive=lease.lane == names.DEFAULT_LANE,
                                          schema=facts.schema, probe=outcome.probe,
-                                         timeouts=lease.timeouts, gate=gate)
+                                         timeouts=lease.timeouts, gate=gate, before=before)
 
 
 async def _whole(request: Request, lease: Lease, answer: Answer) -> Response:
@@ -285,19 +286,25 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
 
 
 @telemetry.traced("limits.tokens")
-async def _admit(request: Request, state: GatewayState, lease: Lease, call: Call,
-                 max_model_len: int | None) -> None:
-    """Tokens per minute and per day: charge the estimate now, with (for a generation admission
-    deferred to here) its request of the minute and its slot, in one script; admission's teardown
-    settles them."""
+async def _limits(request: Request, state: GatewayState, lease: Lease, call: Call,
+                  max_model_len: int | None) -> AdmitCall:
+    """Tokens per minute and per day: the estimate to charge, with (for a generation admission
+    deferred to here) its request of the minute and its slot, as one script call the dispatcher
+    makes (with the XADD, in the dispatch span, or just before it); admission's teardown settles
+    them."""
     body = call.body
     tokens = estimate.request_tokens(call.prompt, body.limit(), body.n, max_model_len,
                                      state.settings.default_reserve_tokens)
     count = lease.deferred
-    admission = await state.limits.admit(lease.key, count=count, slot_id=lease.slot_id if count else None,
-                                         total_s=lease.timeouts.total_s, estimate=tokens)
-    lease.admitted(admission)
-    set_ratelimit_headers(request, admission.headers)
+    prepared = state.limits.prepare(lease.key, count=count, slot_id=lease.slot_id if count else None,
+                                    total_s=lease.timeouts.total_s, estimate=tokens)
+
+    def conclude(answer: list) -> Admission:
+        admission = prepared.conclude(answer)
+        lease.admitted(admission)
+        set_ratelimit_headers(request, admission.headers)
+        return admission
+    return dataclasses.replace(prepared, conclude=conclude)
 
 
 def _outputs(call: Call, parser: str | None):

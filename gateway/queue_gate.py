@@ -42,6 +42,13 @@ class QueueGate:
         self._lines: dict[tuple[str, str], _Line] = {}
         self._arrivals = itertools.count()
 
+    def open_now(self, key_id: str | None, stream: str) -> bool:
+        """Whether `enter` would give a place at once (without waiting)."""
+        if self.per_key <= 0 or key_id is None:
+            return True
+        line = self._lines.get((key_id, stream))
+        return line is None or (line.free > 0 and not line.waiting)
+
     async def enter(self, key_id: str | None, stream: str, model: str, timeout: float,
                     on_timeout: Callable[[], Exception], priority: int = 0) -> Callable[[], None]:
         """A place on `stream` for one of `key_id`'s requests; what to call (once; later calls do
