@@ -59,6 +59,10 @@ end
 local function enqueue(KEYS, ARGV)
 """ + _XADD_BOUNDED + """
 end
+-- Out of memory, Redis refuses a write that needs memory only while the script has written nothing
+-- (ADMIT's clean-ups would let the XADD through): so a first write that changes nothing, refused
+-- then, keeps "a full Redis takes no request" (the interactive mark, rewritten as it is, if set).
+redis.call('SET', KEYS[6], '1', 'XX', 'KEEPTTL')
 local limits = admit({KEYS[1], KEYS[2], KEYS[3], KEYS[4]}, {unpack(ARGV, 1, %(n)d)})
 if limits[1] ~= %(admitted)d then return {limits} end
 return {limits, enqueue({KEYS[5], KEYS[6], KEYS[7]}, {unpack(ARGV, %(n1)d, #ARGV)})}
