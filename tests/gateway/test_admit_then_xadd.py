@@ -107,3 +107,24 @@ async def test_a_request_that_must_wait_for_its_place_has_its_limits_checked_fir
         held.close()
     finally:
         await d.stop()
+
+
+async def test_a_redis_out_of_memory_takes_nothing(client):
+    """Out of memory, the one script refuses before its first write (ADMIT's clean-ups would
+    otherwise let the XADD through): no entry, no request counted, nothing reserved."""
+    limits = Limits(client, GatewaySettings(secret="s"))
+    d = Dispatcher(client, "adm-test")
+    await d.start()
+    key = _key(rpm=100)
+    await client.zadd(names.rpm_key(key.id), {"old": time.time() - 3600})  # a clean-up to do first
+    try:
+        await client.config_set("maxmemory-policy", "noeviction")
+        await client.config_set("maxmemory", "1")
+        with pytest.raises(Exception, match="out of memory"):
+            await d.submit(STREAM, _entry("cmpl-oom"), before=limits.prepare(key, count=True, estimate=10))
+    finally:
+        await client.config_set("maxmemory", "0")
+        await d.stop()
+    assert await client.xlen(STREAM) == 0
+    assert await client.zrange(names.rpm_key(key.id), 0, -1) == [b"old"]  # not even the clean-up
+    assert await client.get(names.daily_tokens_key(key.id, utc_day())) is None
