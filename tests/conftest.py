@@ -29,6 +29,17 @@ def redis_server():
         yield server
 
 
+@pytest.fixture
+async def aredis(redis_server):
+    """An asyncio client on the session's Redis, emptied first."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.Redis.from_url(redis_server.url)
+    await client.flushall()
+    yield client
+    await client.aclose()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from worker.models.demo import build_model_dir

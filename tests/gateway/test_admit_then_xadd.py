@@ -9,7 +9,6 @@ import dataclasses
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.dispatch import Dispatcher
 from gateway.keys import KeyRecord
@@ -23,11 +22,8 @@ STREAM = names.request_stream("demo", "v1", names.DEFAULT_LANE)
 
 
 @pytest.fixture
-async def client(redis_server):
-    c = aioredis.Redis.from_url(redis_server.url)
-    await c.flushall()
-    yield c
-    await c.aclose()
+def client(aredis):
+    return aredis
 
 
 def _key(**limits) -> KeyRecord:

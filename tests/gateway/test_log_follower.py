@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway import dispatch
 from gateway.dispatch import Dispatcher, LogFollower
@@ -15,11 +14,8 @@ from shared import names, protocol
 
 
 @pytest.fixture
-async def client(redis_server):
-    c = aioredis.Redis.from_url(redis_server.url)
-    await c.flushall()
-    yield c
-    await c.aclose()
+def client(aredis):
+    return aredis
 
 
 async def _listeners(client, channel: str) -> int:

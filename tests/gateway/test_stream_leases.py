@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import redis.asyncio as aioredis
 
 from gateway.holdings import Holdings
 from gateway.limits import Limits, Reservation
@@ -16,11 +15,8 @@ from shared.usage import UsageBook, utc_day
 
 
 @pytest.fixture
-async def client(redis_server):
-    c = aioredis.Redis.from_url(redis_server.url)
-    await c.flushall()
-    yield c
-    await c.aclose()
+def client(aredis):
+    return aredis
 
 
 def _leases(client, gateway_id: str, cancelled: list) -> StreamLeases:
