@@ -242,7 +242,8 @@ class Dispatcher:
     def _joins(self, before: AdmitCall, stream: str, entry: protocol.RequestEntry, interactive: bool) -> bool:
         """Whether the limits can ride in the XADD's script: one Redis, and no wait for a place
         between them (a request waits for its place only once its limits admitted it)."""
-        return (not is_cluster(self.redis) and len(before.keys) == ADMIT_KEYS and len(before.args) == ADMIT_ARGS
+        shaped = len(before.keys) == ADMIT_KEYS and len(before.args) == ADMIT_ARGS
+        return (shaped and not is_cluster(self.redis)
                 and self.queue_gate.open_now(entry.key_id if interactive else None, stream))
 
     async def _place(self, stream: str, entry: protocol.RequestEntry, interactive: bool, by: float,

@@ -147,11 +147,11 @@ class InFlight:
 
     def _pop(self, request_id: str, release: bool = True) -> Active | None:
         """`request_id` leaves the requests in flight, what it held sent first (`release`) or dropped."""
-        act = self.requests.get(request_id)
+        act = self.requests.pop(request_id, None)
         if act is not None and release:
             self._release(request_id, act)
         self.holding.discard(request_id)
-        return self.requests.pop(request_id, None)
+        return act
 
     @cached_property
     def _token_text(self) -> TokenText:

@@ -40,13 +40,13 @@ class Outbox:
         self.consumer = consumer  # this worker's name in the streams' consumer group
         self.outgoing: dict[str, list[bytes]] = {}  # reply channel -> this step's encoded replies
         self.ops: list[tuple] = []  # after the PUBLISHes: logs, TTLs, acks
-        self.held: list[tuple] = []  # commands Redis refused for now, in order: sent first next flush
+        self.refused: list[tuple] = []  # commands Redis refused for now, in order: sent first next flush
         self.cluster = is_cluster(client)  # a cluster pipeline refuses PUBLISH: sent on its own
 
     @property
     def empty(self) -> bool:
         """Nothing to send (a flush without reads would be no round trip)."""
-        return not (self.held or self.outgoing or self.ops)
+        return not (self.refused or self.outgoing or self.ops)
 
     def reply(self, channel: str, msg: protocol.Delta | protocol.Done | protocol.ErrorReply,
               version: int | None = None) -> None:
@@ -76,25 +76,26 @@ class Outbox:
         self.ops += [("xack", stream, names.CONSUMER_GROUP, entry_id), ("xdel", stream, entry_id)]
 
     def flush(self, reads: Sequence[tuple[str, int]] = ()) -> list | None:
-        """Send what is held, then everything queued, then read up to `count` new entries of each
-        (stream, count) in `reads` (without blocking), in one round trip. The reads' replies in
-        order (None for a read Redis refused), or None if Redis did not answer at all. Whatever
-        Redis refused for now is in `held` afterwards; a NOGROUP read raises (after the rest ran)."""
-        was_held = bool(self.held)
-        commands = self.held + [("publish", channel, protocol.encode_replies(raws))
+        """Send what Redis refused before, then everything queued, then read up to `count` new
+        entries of each (stream, count) in `reads` (without blocking), in one round trip. The
+        reads' replies in order (None for a read Redis refused), or None if Redis did not answer at
+        all. Whatever Redis refused for now is in `refused` afterwards; a NOGROUP read raises
+        (after the rest ran)."""
+        was_refused = bool(self.refused)
+        commands = self.refused + [("publish", channel, protocol.encode_replies(raws))
                                 for channel, raws in self.outgoing.items()] + self.ops
-        self.held, self.ops = [], []
+        self.refused, self.ops = [], []
         self.outgoing.clear()
         if not commands and not reads:
             return []
         try:
             results = self._execute(commands, reads)
         except REDIS_ERRORS as exc:  # no answer at all: resent whole (a duplicate is harmless)
-            self._hold(commands, commands, exc, was_held)
+            self._hold(commands, commands, exc, was_refused)
             return None
         refused = [(c, r) for c, r in zip(commands, results) if isinstance(r, Exception)]
         self._hold([c for c, r in refused if refusal(r) is not None], commands,
-                   refused[0][1] if refused else None, was_held)
+                   refused[0][1] if refused else None, was_refused)
         for command, error in refused:
             if refusal(error) is None:  # will never succeed: resending would only block the rest
                 log.warning("dropped %s %s: %s", command[0], command[1], error)
@@ -119,11 +120,11 @@ class Outbox:
         piped = iter(pipe.execute(raise_on_error=False))
         return [published[i] if i in published else next(piped) for i in range(len(commands))] + list(piped)
 
-    def _hold(self, held: list[tuple], sent: list[tuple], error: Exception | None, was_held: bool) -> None:
+    def _hold(self, held: list[tuple], sent: list[tuple], error: Exception | None, was_refused: bool) -> None:
         """Keep what Redis refused; say so when holding starts and ends, not on every retry."""
-        self.held = held
-        if held and not was_held:
+        self.refused = held
+        if held and not was_refused:
             log.warning("Redis refused %d of %d commands (%s); holding them and retrying",
                         len(held), len(sent), refusal(error) or type(error).__name__)
-        elif was_held and not held:
+        elif was_refused and not held:
             log.info("Redis took the held commands again")

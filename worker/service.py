@@ -112,7 +112,7 @@ class WorkerService:
 
     def _iteration(self) -> None:
         self.outbox.flush()
-        if self.outbox.held:  # Redis refuses: keep the replies, step no further
+        if self.outbox.refused:  # Redis refuses: keep the replies, step no further
             self._while_refused()
             return
         self._apply_cancels()
@@ -132,7 +132,7 @@ class WorkerService:
         if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
             self.consumer.received(reads, replies)
             self.last_read = now if reads else self.last_read
-        if not self.outbox.held:
+        if not self.outbox.refused:
             self.backoff.reset()
 
     def _step(self) -> None:

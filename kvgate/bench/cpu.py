@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 import httpx
 
+from kvgate.bench.burst import SERVED
 from kvgate.bench.soak import role
 
 ROLES = ("gateway", "worker", "redis")
@@ -51,7 +52,7 @@ def per_request(before: dict, after: dict, requests: int) -> dict[str, dict[str,
 async def closed_loop(url: str, key: str, stream: bool, seconds: float, concurrency: int,
                       max_tokens: int) -> int:
     """Requests completed by `concurrency` clients each sending the next as soon as one ends."""
-    body = {"model": "demo", "prompt": "hello world " * 10, "max_tokens": max_tokens, "stream": stream}
+    body = {"model": SERVED, "prompt": "hello world " * 10, "max_tokens": max_tokens, "stream": stream}
     headers = {"Authorization": f"Bearer {key}"}
     done = 0
     async with httpx.AsyncClient(timeout=30, limits=httpx.Limits(max_connections=concurrency)) as client:

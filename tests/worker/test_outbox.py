@@ -35,17 +35,17 @@ def test_a_full_redis_keeps_the_refused_log_appends_in_order_and_sends_the_rest(
     client.config_set("maxmemory", "1")
     try:
         assert outbox.flush() == []
-        held = [(name, args[0]) for name, *args in outbox.held]
+        held = [(name, args[0]) for name, *args in outbox.refused]
         # PUBLISH, EXPIRE, XACK and XDEL need no memory and ran; only the log appends wait
         assert held == [("rpush", names.checkpoint_key("full-1"))] * 2
         assert protocol.decode_replies(listener.get_message(timeout=1)["data"])[1].seq == 2
         assert client.xpending(STREAM, names.CONSUMER_GROUP)["pending"] == 0
-        assert outbox.flush() == [] and len(outbox.held) == 2  # still full: still held
+        assert outbox.flush() == [] and len(outbox.refused) == 2  # still full: still held
     finally:
         client.config_set("maxmemory", "0")
     outbox.reply(CHANNEL, _delta("full-1", 3))
     outbox.flush()
-    assert outbox.held == []
+    assert outbox.refused == []
     assert _log(client, "full-1") == [1, 2, 3]
     assert listener.get_message(timeout=1) is not None  # seq 3 published; 1 and 2 only once
     assert listener.get_message(timeout=0.2) is None
@@ -58,7 +58,7 @@ def test_a_command_that_can_never_succeed_is_dropped_not_held(redis_server):
     outbox = Outbox(client, STREAM, "w")
     outbox.ops.append(("rpush", "kvgate:test:outbox:string", b"y"))  # WRONGTYPE, forever
     outbox.reply(CHANNEL, _delta("drop-1", 1))
-    assert outbox.flush() == [] and outbox.held == []
+    assert outbox.flush() == [] and outbox.refused == []
     assert _log(client, "drop-1") == [1]
 
 
@@ -71,7 +71,7 @@ def test_an_unreachable_redis_holds_everything(tmp_path):
     outbox.reply(CHANNEL, _delta("away-1", 1))
     server.stop()
     assert outbox.flush([(STREAM, 4)]) is None
-    assert [name for name, *_ in outbox.held] == ["publish", "rpush", "expire"]
+    assert [name for name, *_ in outbox.refused] == ["publish", "rpush", "expire"]
     server.start()
-    assert outbox.flush() == [] and outbox.held == []
+    assert outbox.flush() == [] and outbox.refused == []
     assert _log(client, "away-1") == [1]
