@@ -77,25 +77,26 @@ class KeyStore:
                 return hit[0]
             del self._cache[d]
         epoch = self._epoch
-        raw, ttl_ms = await self._read(names.key_digest(d))
+        raw, ttl_ms = await self._read(names.key_digest(d), ttl=live)
         if not raw:
             return None
         record = KeyRecord.model_validate_json(raw)
-        if live and epoch == self._epoch:
-            keep = self.cache_s if ttl_ms < 0 else min(self.cache_s, ttl_ms / 1000)
+        if live and epoch == self._epoch and ttl_ms != -2:  # -2: the digest went meanwhile
+            keep = self.cache_s if ttl_ms == -1 else min(self.cache_s, ttl_ms / 1000)
             self._cache[d] = (record, time.monotonic() + keep)
             if len(self._cache) > CACHED_KEYS:
                 self._cache.popitem(last=False)
         return record
 
-    async def _read(self, digest_key: str) -> tuple[bytes | None, int]:
-        """The record a digest names and the digest's remaining life in ms (-1: no expiry)."""
+    async def _read(self, digest_key: str, ttl: bool) -> tuple[bytes | None, int]:
+        """The record a digest names and the digest's remaining life in ms (-1: no expiry; read on
+        a cluster only when `ttl`, for a copy to be kept)."""
         if is_cluster(self.redis):  # digest and record in two slots: two reads (a revoke between is read)
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.get(digest_key)
-            pipe.pttl(digest_key)
-            key_id, ttl_ms = await pipe.execute()
+            # single commands, not a pipeline: redis-py's cluster pipeline can fail with an
+            # AttributeError on a connection it opens during a failover (tests/cluster/test_failover.py)
+            key_id = await self.redis.get(digest_key)
             raw = key_id and await self.redis.hget(names.key_record(key_id.decode()), "record")
+            ttl_ms = await self.redis.pttl(digest_key) if raw and ttl else -2
         else:  # one round trip
             found = await self._lookup(keys=[digest_key])
             raw, ttl_ms = found if found else (None, -2)
