@@ -93,7 +93,7 @@ async def stream(request: Request, state: GatewayState, lease: Lease, answer: An
     await hold(state, lease, answer, call, {"api": api, "render": render.spec()})
     return StreamingResponse(_events(answer, ahead, lease, render), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **client_wait.named(answer)},
-                             background=BackgroundTask(answer.handle.close, "client_disconnected"))
+                             background=BackgroundTask(answer.handle.aclose, "client_disconnected"))
 
 
 def resumed(answer: Answer, lease: Lease, render: Renderer, after: int) -> Response:
@@ -102,7 +102,7 @@ def resumed(answer: Answer, lease: Lease, render: Renderer, after: int) -> Respo
     events after `after` are sent."""
     return StreamingResponse(_events(answer, answer.replies, lease, render, after),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **answer.headers},
-                             background=BackgroundTask(answer.handle.close, "client_disconnected"))
+                             background=BackgroundTask(answer.handle.aclose, "client_disconnected"))
 
 
 async def _events(answer: Answer, replies: Lookahead, lease: Lease, render: Renderer,

@@ -522,6 +522,11 @@ class Handle:
             want += 1
         return out
 
+    async def aclose(self, reason: str = "client_disconnected") -> None:
+        """`close` on the event loop: a response's background task (Starlette runs a sync one in a
+        worker thread, where no task can be started and this process's state is not to be touched)."""
+        self.close(reason)
+
     def close(self, reason: str = "client_disconnected") -> None:
         self.admitted()
         if not self.done and not self.outlives_client:

@@ -209,7 +209,7 @@ async def _stream(request: Request, state: GatewayState, lease: Lease, answer: A
     # would not): the request is cancelled and its reply queue released either way
     return StreamingResponse(gen, media_type="text/event-stream",
                              headers={**SSE_HEADERS, **client_wait.named(answer)},
-                             background=BackgroundTask(answer.handle.close, "client_disconnected"))
+                             background=BackgroundTask(answer.handle.aclose, "client_disconnected"))
 
 
 async def hold(state: GatewayState, lease: Lease, answer: Answer, call: Call,
@@ -282,7 +282,7 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
         return await resume.RENDERS[spec["api"]](state, lease, answer, spec["render"], after)
     return StreamingResponse(_sse(answer, answer.replies, lease, spec["include_usage"], after),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
-                             background=BackgroundTask(follower.close, "client_disconnected"))
+                             background=BackgroundTask(follower.aclose, "client_disconnected"))
 
 
 @telemetry.traced("limits.tokens")
