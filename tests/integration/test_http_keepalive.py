@@ -22,11 +22,12 @@ def cluster(tmp_path_factory, tiny_model_dir):
 
 
 def _exchange(sock: socket.socket) -> bytes:
-    """The response's head; what came before the server closed the connection, if it did."""
+    """The whole response (head and its content-length of body, so none is left for the next
+    exchange to read); what came before the server closed the connection, if it did."""
     data = b""
     try:
         sock.sendall(REQUEST)
-        while b"\r\n\r\n" not in data:
+        while not _complete(data):
             chunk = sock.recv(65536)
             if not chunk:
                 break
@@ -34,6 +35,15 @@ def _exchange(sock: socket.socket) -> bytes:
     except ConnectionError:  # reset: the server had closed it
         pass
     return data
+
+
+def _complete(data: bytes) -> bool:
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return False
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return len(body) >= length
 
 
 @pytest.mark.parametrize("keepalive, idle, answers", [(None, 6.0, True), ("2", 3.5, False)])
