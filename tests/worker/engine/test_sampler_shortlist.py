@@ -224,3 +224,22 @@ def test_a_row_of_nan_logits_fails_alone(params):
     tokens, _ = Sampler([EOS]).sample(logits, rows)
     assert isinstance(tokens[1], Exception)
     assert all(isinstance(t, int) and 0 <= t < 50 for t in (tokens[0], tokens[2]))
+
+
+@pytest.mark.parametrize("width", [300, 2048])
+def test_unseeded_draws_of_a_large_batch_follow_the_distribution(width):
+    """A batch large enough for the two-level draw (blocks of columns, then a column): every
+    column's share within 6 sigma, columns without mass never drawn, tiny masses kept."""
+    n = 40_000
+    probs = torch.zeros(width)
+    probs[[0, 127, 128, width - 1]] = torch.tensor([0.3, 0.2, 0.1, 0.4 - 1e-3])
+    probs[200:220] = 1e-3 / 20  # small masses spread over a block
+    logits = torch.log(probs).expand(n, width)  # log 0 = -inf: no mass
+    rows = [SampleRow(SamplingParams(), [0], []) for _ in range(n)]
+    counts = torch.bincount(torch.tensor(Sampler([EOS])(logits, rows)[0]), minlength=width).double()
+    assert counts[probs == 0].sum() == 0
+    for column in [0, 127, 128, width - 1]:
+        p = probs[column].item()
+        assert abs(counts[column].item() / n - p) <= 6 * math.sqrt(p * (1 - p) / n)
+    small = counts[200:220].sum().item() / n
+    assert abs(small - 1e-3) <= 6 * math.sqrt(1e-3 / n)
