@@ -19,6 +19,7 @@ from shared import errors, names, protocol
 from shared.redis_errors import REDIS_ERRORS
 from shared.settings import WorkerSettings
 from worker import checkpoint, tokenizer_kinds
+from worker.cancels import HeardCancels, added_at
 from worker.consumer import PendingEntry
 from worker.engine.types import EngineRejected, Resume, SamplingParams
 from worker.faults import Faults
@@ -38,10 +39,12 @@ def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) ->
 
 class Admission:
     def __init__(self, s: WorkerSettings, client: redis.Redis, engine, tokenizer, outbox: Outbox,
-                 metrics: WorkerMetrics, inflight: InFlight, markers: Markers | None = None):
-        """`markers`: the reasoning parser's, when the model thinks (its chats' text is split)."""
+                 metrics: WorkerMetrics, inflight: InFlight, markers: Markers | None = None,
+                 heard: HeardCancels | None = None):
+        """`markers`: the reasoning parser's, when the model thinks (its chats' text is split).
+        `heard`: the cancels the serving loop heard (None: every admission reads the marker)."""
         self.s, self.client, self.engine, self.tokenizer = s, client, engine, tokenizer
-        self.markers = markers
+        self.markers, self.heard = markers, heard
         self.outbox, self.metrics, self.inflight = outbox, metrics, inflight
         self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker,
                              s.fault_step_ms)
@@ -92,8 +95,14 @@ class Admission:
         return None
 
     def _cancelled(self, p: PendingEntry, entry: protocol.RequestEntry) -> bool:
-        """Cancelled before any worker started it (the gateway's marker): acknowledged, never run."""
-        if not self.client.exists(names.cancelled_key(entry.request_id)):
+        """Cancelled before any worker started it: acknowledged, never run. A fresh entry's cancel
+        was heard (worker/cancels.py) where the heard ids answer for it; otherwise the gateway's
+        marker says."""
+        if self.heard is not None and not p.times_delivered and self.heard.answers_for(added_at(p.entry_id)):
+            cancelled = entry.request_id in self.heard
+        else:
+            cancelled = bool(self.client.exists(names.cancelled_key(entry.request_id)))
+        if not cancelled:
             return False
         self.outbox.ack(p.entry_id, p.stream)
         self.metrics.cancelled_unstarted()

@@ -22,7 +22,7 @@ from shared.redis_client import sync_client
 from shared.redis_errors import REDIS_ERRORS, refusal
 from shared.settings import WorkerSettings
 from worker.admission import Admission
-from worker.cancels import CancelListener
+from worker.cancels import CancelListener, HeardCancels
 from worker.consumer import PendingEntry, StreamConsumer
 from worker.fairness import FairOrder
 from worker.heartbeat import Heartbeat
@@ -61,9 +61,10 @@ class WorkerService:
         self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer, settings.hold_s)
         markers = Markers.of(tokenizer, settings.reasoning_parser) if settings.reasoning_parser else None
         self.chat_markers = chat_markers(tokenizer)  # for clients that write chats as text (kvgate.lang)
-        self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
-                                   self.inflight, markers)
         self.cancels = CancelListener(self.redis, self.stopping)
+        self.heard = HeardCancels(self.cancels)  # cancels of requests not running here (yet)
+        self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
+                                   self.inflight, markers, self.heard)
         self.heartbeat = Heartbeat(self.redis, settings, self.stopping, self.registry_entry)
         self.last_read = 0.0  # time.monotonic() of the last flush that read new entries
 
@@ -184,9 +185,13 @@ class WorkerService:
             self.fair.started(p.claim.request_id, p.claim, act.prompt_tokens)
 
     def _apply_cancels(self) -> None:
-        """Aborted in the engine before the next step, so its blocks are free for that step."""
+        """Aborted in the engine before the next step, so its blocks are free for that step; the
+        others are kept for admission (their entry may still be on its way)."""
         for request_id in self.cancels.take():
-            self.inflight.cancel(request_id)
+            if request_id in self.inflight:
+                self.inflight.cancel(request_id)
+            else:
+                self.heard.add(request_id)
 
     def _while_refused(self) -> None:
         """No step while Redis refuses the replies (they would pile up unsent), but a cancel or a

@@ -13,6 +13,7 @@ import pytest
 
 from shared import names, protocol
 from tests.integration.test_faults import Cluster
+from tests.worker.test_heard_cancels import cancel_before_pickup
 from tests.worker.test_wire_schemas import Channel, entry, orphan, xadd
 from worker.outcomes import FAILED, REJECTED, Outcomes
 
@@ -47,7 +48,7 @@ def test_the_registry_and_prometheus_count_the_same_outcomes(cluster):
                                         params={"max_tokens": 4096})))
     late = entry("late", ch.name, prompt="hi")
     xadd(cluster, protocol.encode(late.model_copy(update={"deadline": time.time() - 1})))
-    cluster.client.set(names.cancelled_key("cancelled"), 1, ex=60)
+    cancel_before_pickup(cluster, "cancelled")
     xadd(cluster, protocol.encode(entry("cancelled", ch.name, prompt="hi")))
 
     assert [ch.raw_replies(rid)[-1]["type"] for rid in ("runs", "resumed")] == ["done", "done"]
