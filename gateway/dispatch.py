@@ -379,6 +379,7 @@ class Handle:
         self.first_token_by = math.inf  # time.time() by which a token must have come (or done)
         self.gave_up = False  # a time limit passed: the request is cancelled as a timeout
         self.admitted: Callable[[], None] = _nothing  # gives back its key's place on the stream
+        self.closed = False  # close() ran: the request is let go once, whoever calls it again
 
     @property
     def version(self) -> str | None:
@@ -528,6 +529,12 @@ class Handle:
         self.close(reason)
 
     def close(self, reason: str = "client_disconnected") -> None:
+        """The request is let go: its place on the stream given back, a cancel published unless it
+        is done (or outlives its client), its queue dropped. Once: the generator's `finally` and the
+        response's background task both call it."""
+        if self.closed:
+            return
+        self.closed = True
         self.admitted()
         if not self.done and not self.outlives_client:
             self.dispatcher.cancel_soon(self.request_id, "timeout" if self.gave_up else reason)
@@ -576,7 +583,7 @@ class LogFollower(Handle):
             self.dispatcher.unwatch(self.channel, self.request_id, waker)
 
     def close(self, reason: str = "client_disconnected") -> None:
-        if self._waker is not None:  # the generator's own finally may run later, when collected
+        if self._waker is not None and not self.closed:  # the generator's own finally may run later
             self.dispatcher.unwatch(self.channel, self.request_id, self._waker)
         super().close(reason)
 

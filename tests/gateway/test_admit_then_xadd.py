@@ -124,3 +124,28 @@ async def test_a_redis_out_of_memory_takes_nothing(client):
     assert await client.xlen(STREAM) == 0
     assert await client.zrange(names.rpm_key(key.id), 0, -1) == [b"old"]  # not even the clean-up
     assert await client.get(names.daily_tokens_key(key.id, utc_day())) is None
+
+
+async def test_a_handle_closed_twice_publishes_one_cancel(client):
+    """The generator's `finally` and the response's background task both close a handle: its
+    cancel goes out once."""
+    d = Dispatcher(client, "adm-test")
+    await d.start()
+    cancels = client.pubsub()
+    try:
+        await cancels.subscribe(names.CANCEL_CHANNEL)
+        handle = await d.submit(STREAM, _entry("cmpl-twice"))
+        handle.close("client_disconnected")
+        handle.close("client_disconnected")
+        await handle.aclose("client_disconnected")
+        heard = []
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            message = await cancels.get_message(ignore_subscribe_messages=True, timeout=0.2)
+            if message is not None:
+                heard.append(protocol.decode_cancel(message["data"]).request_id)
+        assert heard == ["cmpl-twice"]
+        assert await client.exists(names.cancelled_key("cmpl-twice"))
+    finally:
+        await cancels.aclose()
+        await d.stop()
