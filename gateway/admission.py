@@ -52,6 +52,7 @@ class Lease:
     resuming: bool = False  # resumes a stream (Last-Event-ID): the original's slot and tokens stand
     deferred: bool = False  # a generation: its minute and slot are taken with its tokens (`admitted`)
     stream: StreamLease | None = None  # set once its holdings are in Redis: settled by claim, once
+    unstarted: bool = False  # its stream's lease was written but the stream never began: no grace
     timeouts: Timeouts | None = None  # its time limits: the key's, its route's or the defaults
 
     def reserved(self, reservation: Reservation) -> None:
@@ -175,7 +176,7 @@ async def _claimed(state: GatewayState, lease: Lease) -> bool:
     and there is no grace; a client that left within a grace is let go (a resume may come back)."""
     streams = state.streams
     try:
-        if not lease.ended() and streams.grace_s > 0:
+        if not lease.ended() and streams.grace_s > 0 and not lease.unstarted:
             await streams.let_go(lease.stream)
             return False
         as_ = "done" if lease.usage is not None else "error" if lease.ended() else ABANDONED

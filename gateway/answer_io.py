@@ -16,7 +16,7 @@ from starlette.background import BackgroundTask
 from gateway import client_wait, resume
 from gateway.admission import Lease
 from gateway.dispatch import KEEPALIVE, Lookahead
-from gateway.openai_api import SSE_HEADERS, Answer, Call, hold
+from gateway.openai_api import SSE_HEADERS, Answer, Call, first_reply_held
 from gateway.schemas import ChatCompletionRequest
 from gateway.state import GatewayState
 from shared import protocol
@@ -85,12 +85,11 @@ async def _drain(replies: AsyncIterator, render: Renderer) -> dict:
 async def stream(request: Request, state: GatewayState, lease: Lease, answer: Answer, call: Call,
                  api: str, render: Renderer) -> Response:
     """`stream: true`: the events of `render`, the 200 once the worker admitted the request; held
-    in Redis like chat's (gateway/openai_api.py `hold`), with what rebuilds `render`, so that the
+    in Redis like chat's (gateway/openai_api.py `first_reply_held`), with what rebuilds `render`, so that the
     stream resumes at any gateway (Last-Event-ID) and is settled once."""
-    ahead = await client_wait.first_reply(request, answer, state.settings.admission_wait_s)
+    ahead = await first_reply_held(request, state, lease, answer, call, {"api": api, "render": render.spec()})
     if ahead is None:
         return Response(status_code=499)
-    await hold(state, lease, answer, call, {"api": api, "render": render.spec()})
     return StreamingResponse(_events(answer, ahead, lease, render), media_type="text/event-stream",
                              headers={**SSE_HEADERS, **client_wait.named(answer)},
                              background=BackgroundTask(answer.handle.aclose, "client_disconnected"))

@@ -179,7 +179,7 @@ class Dispatcher:
         if self.watched[channel] == 0:
             del self.watched[channel]
             if self._pubsub is not None:
-                self._spawn(self._pubsub.unsubscribe(channel))
+                self.spawn(self._pubsub.unsubscribe(channel))
 
     def _wake(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -306,9 +306,10 @@ class Dispatcher:
 
     def cancel_soon(self, request_id: str, reason: str) -> None:
         """Fire-and-forget: safe to call from a cancelled task's `finally`."""
-        self._spawn(self._cancel(request_id, reason))
+        self.spawn(self._cancel(request_id, reason))
 
-    def _spawn(self, work: Awaitable) -> None:
+    def spawn(self, work: Awaitable) -> None:
+        """`work` on a task of its own, kept until done; its failure is logged, never raised."""
         async def quietly() -> None:
             try:
                 await work

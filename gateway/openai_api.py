@@ -3,6 +3,7 @@ refuse what kvgate would ignore → check the key may use the model → route �
 tools and constraint → reserve tokens → dispatch → respond."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import secrets
@@ -200,10 +201,9 @@ async def _stream(request: Request, state: GatewayState, lease: Lease, answer: A
     """The 200 goes out once the worker admitted the request (its first reply) or after
     KVGATE_ADMISSION_WAIT_S, whichever is first (gateway/client_wait.py). Before the 200, the
     stream's holdings go to Redis, so that it can be resumed, and settled, at any gateway."""
-    ahead = await client_wait.first_reply(request, answer, state.settings.admission_wait_s)
+    ahead = await first_reply_held(request, state, lease, answer, call)
     if ahead is None:
         return Response(status_code=499)
-    await hold(state, lease, answer, call)
     gen = _sse(answer, ahead, lease, call.include_usage())
     # the close also runs if the client left before the generator ever started (its `finally`
     # would not): the request is cancelled and its reply queue released either way
@@ -212,29 +212,79 @@ async def _stream(request: Request, state: GatewayState, lease: Lease, answer: A
                              background=BackgroundTask(answer.handle.aclose, "client_disconnected"))
 
 
-async def hold(state: GatewayState, lease: Lease, answer: Answer, call: Call,
-               api: dict | None = None) -> None:
-    """Writes the stream's lease (gateway/stream_leases.py); if Redis will not take it, the stream
-    goes on unresumable and is settled here, as before. `api`: another API's renderer, as
-    `{"api": name, "render": what rebuilds it}` (gateway/answer_io.py)."""
+async def first_reply_held(request: Request, state: GatewayState, lease: Lease, answer: Answer, call: Call,
+                           api: dict | None = None) -> Lookahead | None:
+    """The first reply (`client_wait.first_reply`: None when the client left first, a refusal
+    raises), the stream's lease written meanwhile (gateway/stream_leases.py): its round trip runs
+    while the worker computes the first token, not after it. Once the request is admitted the
+    stream is held in Redis, resumable and settled at any gateway; if Redis would not take the
+    lease it goes on unresumable and is settled here, as before. A lease written for a request that
+    never started (refused, or its client gone) is settled at once (`Lease.unstarted`). `api`:
+    another API's renderer, as `{"api": name, "render": what rebuilds it}` (gateway/answer_io.py)."""
+    writing = asyncio.ensure_future(_write_lease(state, lease, answer, call, api))
+    try:
+        ahead = await client_wait.first_reply(request, answer, state.settings.admission_wait_s)
+    except BaseException:
+        await _unstarted(state, lease, writing)
+        raise
+    if ahead is None:
+        await _unstarted(state, lease, writing)
+        return None
+    written = await writing
+    if written is None:
+        return ahead
+    stream, attempt_id = written
+    if attempt_id != answer.handle.request_id:  # sent again before its first token: written anew
+        stream, _ = await _write_lease(state, lease, answer, call, api) or (None, None)
+        if stream is None:
+            return ahead
+    lease.streamed(stream)
+    handle = answer.handle
+    handle.outlives_client = state.settings.resume_grace_s > 0
+    handle.on_attempt = lambda attempt: state.streams.follow(stream, attempt)
+    return ahead
+
+
+async def _write_lease(state: GatewayState, lease: Lease, answer: Answer, call: Call,
+                       api: dict | None) -> tuple[StreamLease, str] | None:
+    """The stream's lease written, with the attempt it follows; None if Redis would not take it."""
     body, handle = call.body, answer.handle
     chat = call.kind == "chat"
-    parser = ((await state.registry.facts(body.model, lease.version)).tool_call_parser
-              if chat and body.tools else None)
-    spec = resume.shape_spec(call.kind, body.model, body.n, answer.shape.created, call.include_usage(),
-                             body.tools if chat else None, body.choice() if chat else None,
-                             body.parallel_tool_calls if chat else True, parser,
-                             answer.shape.echo.spec())
-    spec.update(api or {})
-    stream = StreamLease(lease.key.id, answer.shape.id)
+    attempt_id = handle.request_id
     try:
-        await state.streams.open(stream, lease.holdings(), handle.deadline, spec, handle.request_id)
+        parser = ((await state.registry.facts(body.model, lease.version)).tool_call_parser
+                  if chat and body.tools else None)
+        spec = resume.shape_spec(call.kind, body.model, body.n, answer.shape.created, call.include_usage(),
+                                 body.tools if chat else None, body.choice() if chat else None,
+                                 body.parallel_tool_calls if chat else True, parser,
+                                 answer.shape.echo.spec())
+        spec.update(api or {})
+        stream = StreamLease(lease.key.id, answer.shape.id)
+        await state.streams.open(stream, lease.holdings(), handle.deadline, spec, attempt_id)
     except Exception as exc:
-        log.warning("stream %s is not resumable (%s)", stream.request_id, type(exc).__name__)
+        log.warning("stream %s is not resumable (%s)", answer.shape.id, type(exc).__name__)
+        return None
+    return stream, attempt_id
+
+
+async def _unstarted(state: GatewayState, lease: Lease, writing: asyncio.Future) -> None:
+    """The request never started: a lease written meanwhile is settled with the request, at once."""
+    try:
+        written = await asyncio.shield(writing)
+    except BaseException:  # cancelled again while it writes: the lease, once written, is let go
+        writing.add_done_callback(lambda done: _abandon(state, done))
         return
-    lease.streamed(stream)
-    handle.outlives_client = state.settings.resume_grace_s > 0
-    handle.on_attempt = lambda attempt_id: state.streams.follow(stream, attempt_id)
+    if written is not None:
+        lease.streamed(written[0])
+        lease.unstarted = True
+
+
+def _abandon(state: GatewayState, writing: asyncio.Future) -> None:
+    """A lease written for a request whose task was torn down meanwhile: marked settled (the
+    request's holdings are settled where it ran, as if no lease had been written)."""
+    if writing.cancelled() or writing.exception() is not None or writing.result() is None:
+        return
+    state.dispatcher.spawn(state.streams.claim(writing.result()[0], ABANDONED, honour_hold=False))
 
 
 async def resume_request(request: Request, state: GatewayState, lease: Lease,

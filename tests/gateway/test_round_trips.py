@@ -30,7 +30,7 @@ PHASES = {
     ("gateway.routing", "choose"): "routing",
     ("gateway.dispatch", "submit"): "dispatch",
     ("gateway.dispatch", "enqueue"): "dispatch",
-    ("gateway.openai_api", "hold"): "stream",
+    ("gateway.openai_api", "_write_lease"): "stream",
     ("gateway.admission", "settle"): "settle",
     ("gateway.holdings", "settle"): "settle",
     ("gateway.dispatch", "replies"): "replies",
@@ -44,7 +44,8 @@ PHASES = {
 # the version's breaker is passed in the bounded XADD's script (gateway/dispatch.py).
 # The settlement (tokens, usage, slot) is one transaction (gateway/holdings.py); a stream's also
 # claims its lease (stream_leases.py) and drops it from the open-streams index. A stream's lease
-# and its open-streams entry are written in one pipeline before its first token goes out. The key's
+# and its open-streams entry are written in one pipeline while the worker computes its first
+# token (the round trip no longer follows the first reply: gateway/openai_api.py). The key's
 # record is kept by the gateway (KVGATE_KEY_CACHE_S, dropped at once on any change: pub/sub), so a
 # key that called within the last seconds costs no lookup.
 NON_STREAMED = {"auth": 0, "limits": 1, "dispatch": 1, "settle": 1}
