@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,6 +118,41 @@ def stack(request, tiny_model_dir, tmp_path_factory):
     yield s
     stop_stack(s.proc)
     assert s.proc.returncode == 0, f"kvgate up exited with {s.proc.returncode}"
+
+
+@contextmanager
+def worker_thread(redis_url: str, model_dir: Path, served_name: str, **settings):
+    """A worker (the synthetic engine unless `settings` say otherwise) serving in a thread of this
+    process, for tests that run the gateway in-process too."""
+    import threading
+
+    from shared.settings import WorkerSettings
+    from worker.main import build_engine
+    from worker.service import WorkerService
+
+    ws = WorkerSettings(model=str(model_dir), redis_url=redis_url, served_name=served_name,
+                        **{"engine": "synthetic", "heartbeat_s": 0.2, **settings})
+    engine = build_engine(ws)
+    service = WorkerService(ws, engine, engine.tokenizer)
+    thread = threading.Thread(target=service.run, daemon=True)
+    thread.start()
+    try:
+        yield service
+    finally:
+        service.stop()
+        thread.join(10)
+
+
+async def until_listed(client, key: str) -> None:
+    """Until the gateway behind `client` lists a model (its worker's first heartbeat landed)."""
+    import asyncio
+
+    for _ in range(100):
+        models = await client.get("/v1/models", headers={"Authorization": f"Bearer {key}"})
+        if models.json()["data"]:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError("no model listed within 10 s")
 
 
 def wire_entry(request_id: str, channel: str, max_tokens: int = 8, **fields):

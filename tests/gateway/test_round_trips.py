@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import sys
-import threading
 from collections import Counter
 
 import httpx
 import orjson
 import pytest
 from redis.asyncio.connection import AbstractConnection
+
+from tests.conftest import until_listed, worker_thread
 
 # (module, function) of a step of the request path -> its phase; the innermost step on the stack
 # of a send names it (so the settlement inside admission's teardown counts as settle)
@@ -79,19 +80,8 @@ def counting(monkeypatch):
 
 @pytest.fixture
 def worker(redis_server, tiny_model_dir):
-    from shared.settings import WorkerSettings
-    from worker.main import build_engine
-    from worker.service import WorkerService
-
-    ws = WorkerSettings(model=str(tiny_model_dir), redis_url=redis_server.url, served_name="trips",
-                        engine="synthetic", heartbeat_s=0.2)
-    engine = build_engine(ws)
-    service = WorkerService(ws, engine, engine.tokenizer)
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    yield
-    service.stop()
-    thread.join(10)
+    with worker_thread(redis_server.url, tiny_model_dir, "trips"):
+        yield
 
 
 async def _counted(client: httpx.AsyncClient, body: dict, secret: str) -> tuple[int, Counter]:
@@ -132,11 +122,7 @@ def test_round_trips_per_request(redis_server, worker, counting, monkeypatch):
             record, secret = await keystore.create(keystore.new_record(name="trips", max_concurrent=8))
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
-                for _ in range(100):  # until the worker's first heartbeat
-                    models = await client.get("/v1/models", headers={"Authorization": "Bearer sk-boot"})
-                    if models.json()["data"]:
-                        break
-                    await asyncio.sleep(0.1)
+                await until_listed(client, "sk-boot")
                 # then the route and worker caches (half a second each; a refresh costs 1 and 2
                 # trips) held for the test, so that what is counted is the request path, not the
                 # clock (held before the worker's first heartbeat, they would keep "no worker")

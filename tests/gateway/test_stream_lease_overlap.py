@@ -5,27 +5,17 @@ Redis, a worker (synthetic engine) in a thread that refuses every request at adm
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import httpx
 import pytest
 
+from tests.conftest import until_listed, worker_thread
+
 
 @pytest.fixture
 def refusing_worker(redis_server, tiny_model_dir):
-    from shared.settings import WorkerSettings
-    from worker.main import build_engine
-    from worker.service import WorkerService
-
-    ws = WorkerSettings(model=str(tiny_model_dir), redis_url=redis_server.url, served_name="lease",
-                        engine="synthetic", heartbeat_s=0.2, fault_error_rate=1.0)
-    engine = build_engine(ws)
-    service = WorkerService(ws, engine, engine.tokenizer)
-    thread = threading.Thread(target=service.run, daemon=True)
-    thread.start()
-    yield
-    service.stop()
-    thread.join(10)
+    with worker_thread(redis_server.url, tiny_model_dir, "lease", fault_error_rate=1.0):
+        yield
 
 
 def test_a_lease_written_for_a_refused_stream_is_settled_at_once(redis_server, refusing_worker):
@@ -46,11 +36,7 @@ def test_a_lease_written_for_a_refused_stream_is_settled_at_once(redis_server, r
             record, secret = await state.keystore.create(state.keystore.new_record(name="lease"))
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
-                for _ in range(100):  # until the worker's first heartbeat
-                    models = await client.get("/v1/models", headers={"Authorization": "Bearer sk-boot"})
-                    if models.json()["data"]:
-                        break
-                    await asyncio.sleep(0.1)
+                await until_listed(client, "sk-boot")
                 resp = await client.post("/v1/chat/completions", json=body,
                                          headers={"Authorization": f"Bearer {secret}"})
                 await asyncio.sleep(0.3)  # the teardown runs after the response
