@@ -235,9 +235,11 @@ async def first_reply_held(request: Request, state: GatewayState, lease: Lease, 
         return ahead
     stream, attempt_id = written
     if attempt_id != answer.handle.request_id:  # sent again before its first token: written anew
-        stream, _ = await _write_lease(state, lease, answer, call, api) or (None, None)
-        if stream is None:
+        again = await _write_lease(state, lease, answer, call, api)
+        if again is None:  # the lease names an attempt that is gone: let go, and settled here
+            state.dispatcher.spawn(state.streams.claim(stream, ABANDONED, honour_hold=False))
             return ahead
+        stream = again[0]
     lease.streamed(stream)
     handle = answer.handle
     handle.outlives_client = state.settings.resume_grace_s > 0
