@@ -246,6 +246,9 @@ class WorkerSettings(CommonSettings):
     hold_s: float = Field(1.0, ge=0, le=60, description="A whole (non-streamed) answer's deltas after "
                           "its first token are held and sent together when a choice ends, or after this "
                           "many seconds (0: each as it is made, like a stream's)")
+    first_hold_s: float = Field(0.02, ge=0, le=1, description="A whole answer's admission verdict and "
+                                "first token wait at most this long (or KVGATE_HOLD_S, if shorter), so "
+                                "an answer done by then goes out in one message (0: at once)")
     heartbeat_s: float = Field(1.0, description="Heartbeat period")
     heartbeat_ttl_s: float = Field(10.0, description="Registry entry TTL; also how long a dead "
                                    "worker's requests stay unclaimed")

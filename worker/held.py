@@ -1,12 +1,14 @@
-"""A whole (non-streamed) answer's deltas, held back and sent together.
+"""A whole (non-streamed) answer's replies, held back and sent together.
 
 A client that asked for `stream: false` sees nothing until its request is done, so the worker need
-not publish (and log) a reply per token for it: after the request's first token — which goes out at
-once, as it ends the gateway's wait for a first token and its retry window — each choice's deltas are
-merged here and sent as one when the choice finishes, when the request fails, or every
-KVGATE_HOLD_S (1 s; 0 sends each as it comes). A
-16-token answer costs its gateway 3 messages instead of 17, and the worker's steps no round trip
-each (worker/service.py).
+not publish (and log) a reply per token for it. The admission verdict and the first token — which
+end the gateway's wait for a first token, its retry window and the queue gate's hold — wait at
+most KVGATE_FIRST_HOLD_S (20 ms; or KVGATE_HOLD_S, if shorter), so an answer done by then goes out
+in one flush:
+verdict, merged tokens, done. After the first token, each choice's deltas are merged here and sent
+when the choice finishes, when the request fails, or every KVGATE_HOLD_S (1 s; 0 sends each as it
+comes). A 16-token answer of a fast engine costs its gateway one message instead of 17, and the
+worker one round trip instead of two (worker/service.py).
 
 Nothing held was published or logged, so a worker that dies holding deltas is a worker that died
 before those steps: the one that resumes the request recomputes them from the log, as it would.
@@ -54,6 +56,7 @@ class Held:
 
     since: float = field(default_factory=time.monotonic)
     choices: dict[int, _Choice] = field(default_factory=dict)
+    verdict: bool = False  # the admission verdict waits too, to go out first with the first token
 
     def choice(self, index: int) -> _Choice:
         """Where choice `index`'s next delta goes (no Delta is built for a held one)."""

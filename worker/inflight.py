@@ -39,7 +39,7 @@ class Active:
     version: int = protocol.SCHEMA_VERSION  # the entry's schema: its replies are written in it
     deadline: float = math.inf  # the entry's, in time.time(): enforced here while Redis refuses
     splits: dict[int, ThinkingSplit] | None = None  # choice → its thinking/answer split (reasoning models)
-    streamed: bool = True  # False: its deltas after the first token may be held (worker/held.py)
+    streamed: bool = True  # False: its replies may be held (worker/held.py)
     sent_token: bool = False  # a delta with tokens went out
     held: Held | None = None
 
@@ -56,10 +56,12 @@ class Active:
 
 
 class InFlight:
-    def __init__(self, engine, outbox: Outbox, metrics: WorkerMetrics, tokenizer, hold_s: float = 1.0):
-        """`hold_s`: KVGATE_HOLD_S, how long a whole answer's deltas may be held (0: never)."""
+    def __init__(self, engine, outbox: Outbox, metrics: WorkerMetrics, tokenizer, hold_s: float = 1.0,
+                 first_hold_s: float = 0.02):
+        """`hold_s`: KVGATE_HOLD_S, how long a whole answer's deltas may be held (0: never);
+        `first_hold_s`: KVGATE_FIRST_HOLD_S, how long its verdict and first token may be."""
         self.engine, self.outbox, self.metrics, self.tokenizer = engine, outbox, metrics, tokenizer
-        self.hold_s = hold_s
+        self.hold_s, self.first_hold_s = hold_s, min(hold_s, first_hold_s)
         self.requests: dict[str, Active] = {}
         self.holding: set[str] = set()  # the requests with deltas held
 
@@ -101,7 +103,7 @@ class InFlight:
         self.metrics.output(out)
         reasoning, text = act.split(out)
         finish = out.finish_reason if out.finished else None
-        if act.streamed or not act.sent_token or not self.hold_s:
+        if act.streamed or not self.hold_s:
             act.sent_token = act.sent_token or bool(out.new_token_ids)
             self._send(act, protocol.Delta(
                 request_id=out.request_id, seq=0, index=out.index, text=text, reasoning=reasoning or None,
@@ -128,21 +130,32 @@ class InFlight:
             self.holding.add(request_id)
         return act.held
 
+    def hold_verdict(self, request_id: str, act: Active) -> None:
+        """The admission verdict of a whole answer goes out with its first token (worker/held.py)."""
+        self._held(request_id, act).verdict = True
+
     def _release(self, request_id: str, act: Active, index: int | None = None) -> None:
-        """Send what `act` holds of choice `index` (None: of every choice) as one delta each."""
+        """Send what `act` holds of choice `index` (None: of every choice) as one delta each, after
+        the verdict if it waits."""
         if act.held is None:
             return
+        if act.held.verdict:
+            act.held.verdict = False
+            self._send(act, protocol.Delta(request_id=request_id, seq=0))
         for i, choice in act.held.take(index):
+            act.sent_token = act.sent_token or bool(choice.token_ids)
             self._send(act, choice.delta(request_id, 0, i))
         if not act.held.choices:
             act.held = None
             self.holding.discard(request_id)
 
     def release_due(self) -> None:
-        """Send the deltas held for `hold_s` or longer (once a step)."""
+        """Send the deltas held for `hold_s` or longer, a verdict and first token held for
+        `first_hold_s` (once a step)."""
         if self.holding:
             now = time.monotonic()
-            for rid in [rid for rid in self.holding if self.requests[rid].held.due(now, self.hold_s)]:
+            for rid in [rid for rid in self.holding if self.requests[rid].held.due(
+                    now, self.hold_s if self.requests[rid].sent_token else self.first_hold_s)]:
                 self._release(rid, self.requests[rid])
 
     def _pop(self, request_id: str, release: bool = True) -> Active | None:

@@ -58,7 +58,8 @@ class WorkerService:
         self.yielding = self.fair is not None and settings.fair_yield and hasattr(engine, "yield_slot")
         self.outbox = Outbox(self.redis, self.consumer.stream, settings.worker_id,
                              settings.max_checkpoint_bytes)
-        self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer, settings.hold_s)
+        self.inflight = InFlight(engine, self.outbox, self.metrics, tokenizer, settings.hold_s,
+                                 settings.first_hold_s)
         markers = Markers.of(tokenizer, settings.reasoning_parser) if settings.reasoning_parser else None
         self.chat_markers = chat_markers(tokenizer)  # for clients that write chats as text (kvgate.lang)
         self.cancels = CancelListener(self.redis, self.stopping)

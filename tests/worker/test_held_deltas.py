@@ -1,12 +1,13 @@
-"""A whole (non-streamed) answer's deltas are held after its first token and sent together
-(worker/held.py): fewer messages, the same text, the same sequence rules, and a takeover that
-resumes such a request from its log as it would any other.
+"""A whole (non-streamed) answer's replies are held and sent together (worker/held.py): the verdict
+and first token within KVGATE_FIRST_HOLD_S, the rest merged; fewer messages, the same text, the
+same sequence rules, and a takeover that resumes such a request from its log as it would any other.
 
-Real worker processes on a real Redis, fed by XADD as a gateway would: `held` with the default
-KVGATE_HOLD_S, `slow` with a pause after every step and a short hold (the periodic release), `each`
-with KVGATE_HOLD_S=0 (every delta as it comes)."""
+Real worker processes on a real Redis, fed by XADD as a gateway would: `held` with the defaults,
+`slow` with a pause after every step and a short hold (the periodic release), `each` with
+KVGATE_HOLD_S=0 (every delta as it comes), `patient` with a first hold longer than any answer here."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from shared import names, protocol
@@ -20,6 +21,7 @@ def cluster(tmp_path_factory, tiny_model_dir):
     c.start_worker("held")
     c.start_worker("slow", "--version", "v2", KVGATE_HOLD_S="0.1", KVGATE_FAULT_STEP_MS="20")
     c.start_worker("each", "--version", "v3", KVGATE_HOLD_S="0")
+    c.start_worker("patient", "--version", "v4", KVGATE_FIRST_HOLD_S="1")
     yield c
     c.close()
 
@@ -52,18 +54,37 @@ def _tokens(replies: list[dict]) -> dict[int, list[int]]:
     return out
 
 
-def test_a_whole_answer_goes_out_in_four_replies_with_the_streamed_text(cluster):
+def test_a_whole_answer_goes_out_merged_with_the_streamed_text(cluster):
     streamed = _run(cluster, "streamed")
     whole = _run(cluster, "whole", streamed=False)
     assert [r["seq"] for r in streamed] == list(range(1, 9))  # verdict, 6 tokens, done
-    assert [r["seq"] for r in whole] == [1, 2, 3, 4]  # verdict, first token, the other 5, done
-    assert len(whole[1]["token_ids"]) == 1 and len(whole[2]["token_ids"]) == 5
-    assert whole[2]["finish_reason"] == streamed[-2]["finish_reason"] == "length"
+    seqs = [r["seq"] for r in whole]
+    assert seqs in ([1, 2, 3], [1, 2, 3, 4])  # verdict, the 6 tokens (first token apart if the
+    assert not whole[0].get("token_ids")      # answer outlasted the first hold), done
+    assert whole[-2]["finish_reason"] == streamed[-2]["finish_reason"] == "length"
     assert _texts(whole) == _texts(streamed) and _tokens(whole) == _tokens(streamed)
     assert whole[-1]["type"] == "done" and whole[-1]["completion_tokens"] == 6
-    # the log holds what was sent, nothing more: a resume reads the same four
+    # the log holds what was sent, nothing more: a resume reads the same
     logged = cluster.client.lrange(names.checkpoint_key("whole"), 0, -1)
-    assert [protocol.decode_reply(raw).seq for raw in logged] == [1, 2, 3, 4]
+    assert [protocol.decode_reply(raw).seq for raw in logged] == seqs
+
+
+def test_a_whole_answer_done_within_the_first_hold_is_one_message(cluster):
+    """The verdict, every token merged, and done: one pub/sub message, one flush of the worker."""
+    ch = Channel(cluster, "patient")
+    e = entry("patient", ch.name, prompt="Hello there", streamed=False).model_copy(update={"version": "v4"})
+    _send(cluster, e)
+    messages = []
+    while not messages or messages[-1][-1]["type"] != "done":
+        message = ch.pubsub.get_message(timeout=20)
+        assert message is not None, messages
+        if message["type"] == "message":
+            items = orjson.loads(message["data"])
+            messages.append(items if isinstance(items, list) else [items])
+    assert len(messages) == 1, messages
+    [replies] = messages
+    assert [r["seq"] for r in replies] == [1, 2, 3]
+    assert not replies[0].get("token_ids") and len(replies[1]["token_ids"]) == 6
 
 
 def test_each_choice_of_a_whole_answer_is_merged_on_its_own(cluster):
@@ -81,6 +102,7 @@ def test_held_deltas_go_out_every_hold_s_of_a_long_answer(cluster):
     whole = _run(cluster, "long", version="v2", streamed=False, params={"max_tokens": 24})
     deltas = [r for r in whole if r["type"] == "delta" and r.get("token_ids")]
     assert 3 <= len(deltas) <= 12, [len(d["token_ids"]) for d in deltas]
+    assert len(deltas[0]["token_ids"]) <= 2  # the first token waited one first hold (20 ms) at most
     assert sum(len(d["token_ids"]) for d in deltas) == 24
     assert [r["seq"] for r in whole] == list(range(1, len(whole) + 1))
 
