@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import replace
 
-from kvgate.bench.serve import RunConfig, _limits, probe, send_all, summarize_run
+from kvgate.bench.serve import RunConfig, open_client, probe, send_all, summarize_run
 
 START_MARGIN_S = 0.5  # time for every process to receive its share before the common start
 
@@ -23,11 +23,8 @@ START_MARGIN_S = 0.5  # time for every process to receive its share before the c
 def _share(cfg: RunConfig, requests, send_at: list[float], t0: float) -> tuple[list, float, float]:
     """One process's part: its requests at their times from t0; returns its results, the CPU
     seconds it used and when its last request ended (seconds after t0)."""
-    import httpx
-
     async def go():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s, connect=30.0),
-                                     limits=_limits(cfg)) as client:
+        async with open_client(cfg) as client:
             return await send_all(client, cfg, requests, send_at, t0)
 
     cpu = time.process_time()
@@ -37,17 +34,15 @@ def _share(cfg: RunConfig, requests, send_at: list[float], t0: float) -> tuple[l
 
 def _ready(_: int = 0) -> int:
     """Occupies a pool process for a moment, so N of these start all N processes and their imports."""
-    import httpx  # noqa: F401
+    import aiohttp  # noqa: F401
 
     time.sleep(0.3)
     return 1
 
 
 def _probe(cfg: RunConfig, prompt: str) -> None:
-    import httpx
-
     async def go():
-        async with httpx.AsyncClient(timeout=30.0) as client:
+        async with open_client(cfg) as client:
             await probe(client, cfg, prompt)
 
     asyncio.run(go())
