@@ -167,11 +167,7 @@ class Admission:
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
-            if entry.streamed or not self.inflight.first_hold_s:
-                self.outbox.reply(entry.reply_channel, protocol.Delta(request_id=rid, seq=act.next_seq()),
-                                  entry.v)
-            else:  # a whole answer's goes out with its first token, or with all of a short one
-                self.inflight.hold_verdict(rid, act)
+            self.inflight.verdict(rid, act)
 
     def _answer_from_tokenizer(self, p: PendingEntry, entry: protocol.RequestEntry,
                                ckpt: checkpoint.Checkpoint) -> None:

@@ -130,9 +130,13 @@ class InFlight:
             self.holding.add(request_id)
         return act.held
 
-    def hold_verdict(self, request_id: str, act: Active) -> None:
-        """The admission verdict of a whole answer goes out with its first token (worker/held.py)."""
-        self._held(request_id, act).verdict = True
+    def verdict(self, request_id: str, act: Active) -> None:
+        """The admission verdict: a stream's goes out now, a whole answer's with its first token
+        (worker/held.py), unless KVGATE_FIRST_HOLD_S is 0."""
+        if act.streamed or not self.first_hold_s:
+            self._send(act, protocol.Delta(request_id=request_id, seq=0))
+        else:
+            self._held(request_id, act).verdict = True
 
     def _release(self, request_id: str, act: Active, index: int | None = None) -> None:
         """Send what `act` holds of choice `index` (None: of every choice) as one delta each, after
