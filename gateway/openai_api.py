@@ -237,7 +237,7 @@ async def first_reply_held(request: Request, state: GatewayState, lease: Lease, 
     if attempt_id != answer.handle.request_id:  # sent again before its first token: written anew
         again = await _write_lease(state, lease, answer, call, api)
         if again is None:  # the lease names an attempt that is gone: let go, and settled here
-            state.dispatcher.spawn(state.streams.claim(stream, ABANDONED, honour_hold=False))
+            _let_go(state, stream)
             return ahead
         stream = again[0]
     lease.streamed(stream)
@@ -286,7 +286,12 @@ def _abandon(state: GatewayState, writing: asyncio.Future) -> None:
     request's holdings are settled where it ran, as if no lease had been written)."""
     if writing.cancelled() or writing.exception() is not None or writing.result() is None:
         return
-    state.dispatcher.spawn(state.streams.claim(writing.result()[0], ABANDONED, honour_hold=False))
+    _let_go(state, writing.result()[0])
+
+
+def _let_go(state: GatewayState, stream: StreamLease) -> None:
+    """A written lease nobody will settle through: claimed as abandoned, in the background."""
+    state.dispatcher.spawn(state.streams.claim(stream, ABANDONED, honour_hold=False))
 
 
 async def resume_request(request: Request, state: GatewayState, lease: Lease,
