@@ -47,10 +47,16 @@ def read_entries(reply) -> list[PendingEntry]:
             for name, entries in reply or [] for entry_id, fields in entries]
 
 
+# while a flush has nothing to send (a whole answer's deltas are held: worker/held.py), the lanes
+# are read at most this often, so steps faster than a Redis round trip do not each wait for one
+READ_EVERY_S = 0.001
+
+
 class StreamConsumer:
     def __init__(self, client: redis.Redis, s: WorkerSettings, order: FairOrder | None = None):
         """`order`: the fair order's counters; None: FIFO."""
         self.client, self.s, self.order = client, s, order
+        self.last_read = 0.0  # time.monotonic() of the last read of the lanes (blocking or a flush's)
         self.stream = names.request_stream(s.served_name, s.version)
         self.batch_stream = names.request_stream(s.served_name, s.version, names.BATCH_LANE)
         self.backlog: list[PendingEntry] = []  # taken, not yet admitted
@@ -84,6 +90,7 @@ class StreamConsumer:
             self._join(read_entries(self.client.xreadgroup(
                 names.CONSUMER_GROUP, self.s.worker_id, {self.stream: ">", self.batch_stream: ">"},
                 count=1, block=100)))
+            self.last_read = time.monotonic()
 
     def next(self) -> PendingEntry | None:
         """The entry to admit now, out of the backlog (hand it back with `put_back` if Redis fails
@@ -133,15 +140,19 @@ class StreamConsumer:
                                 count, held)
         return [PendingEntry(stream, o.entry_id, o.raw, o.times_delivered) for o in orphans]
 
-    def next_reads(self, room: int, yielding: bool = False) -> list[tuple[str, int]]:
+    def next_reads(self, room: int, yielding: bool = False, quiet: bool = False) -> list[tuple[str, int]]:
         """What the next flush reads, only when the engine has `room` (an entry read when none can
         start would wait here instead of in the stream, where another worker could take it) or, under
         the fair order on an engine whose tenants can be made to yield a slot (`yielding`), always:
         an entry of a tenant below its share starts in a full batch. FIFO reads that room, less the
         backlog; the fair order fills each lane's look-ahead to KVGATE_FAIR_LOOKAHEAD (or the room,
         if more). The batch lane is read when the interactive lane's last read came back short (the
-        engine's priorities keep it behind, too)."""
+        engine's priorities keep it behind, too). A `quiet` flush (nothing to send) reads nothing
+        within READ_EVERY_S of the last read, the idle blocking one included: its round trip would
+        be the only one, and a whole answer's first step would wait for it."""
         if room <= 0 and not (yielding and self.order is not None):
+            return []
+        if quiet and time.monotonic() - self.last_read < READ_EVERY_S:
             return []
         if self.order is None:
             want = dict.fromkeys((self.stream, self.batch_stream), room - len(self.backlog))
@@ -156,6 +167,8 @@ class StreamConsumer:
 
     def received(self, reads: Sequence[tuple[str, int]], replies: Sequence) -> None:
         """The flush's replies to `reads` join the backlog (admitted before the next step)."""
+        if reads:
+            self.last_read = time.monotonic()
         for (stream, count), reply in zip(reads, replies):
             entries = read_entries(reply)
             self._join(entries)

@@ -34,10 +34,6 @@ from worker.thinking import Markers
 
 log = logging.getLogger("kvgate.worker")
 
-# while a step has nothing to send (a whole answer's deltas are held: worker/held.py), new entries
-# are read at most this often, so steps faster than a Redis round trip do not each wait for one
-READ_EVERY_S = 0.001
-
 
 class WorkerService:
     def __init__(self, settings: WorkerSettings, engine, tokenizer):
@@ -67,7 +63,6 @@ class WorkerService:
         self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
                                    self.inflight, markers, self.heard)
         self.heartbeat = Heartbeat(self.redis, settings, self.stopping, self.registry_entry)
-        self.last_read = 0.0  # time.monotonic() of the last flush that read new entries
 
     def run(self) -> None:
         self._until_redis(self.consumer.ensure_groups)
@@ -127,13 +122,10 @@ class WorkerService:
             self._pull()
         self._step()
         self.inflight.release_due()
-        reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity(), self.yielding)
-        now = time.monotonic()
-        if reads and self.outbox.empty and now - self.last_read < READ_EVERY_S:
-            reads = []  # nothing goes out and the last read was just now: step on
+        reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity(), self.yielding,
+                                                             quiet=self.outbox.empty)
         if (replies := self.outbox.flush(reads)) is not None:  # one round trip: replies, then reads
             self.consumer.received(reads, replies)
-            self.last_read = now if reads else self.last_read
         if not self.outbox.refused:
             self.backoff.reset()
 
