@@ -49,13 +49,13 @@ def request_body(cfg: RunConfig, prompt: str, max_tokens: int) -> dict:
 
 def open_client(cfg: RunConfig):
     """The benchmark's HTTP client: aiohttp, as vLLM's serving benchmark uses. Its C parser costs
-    ~0.5 ms a request on this class of machine where httpx's pure-Python stack costs ~2 ms, and
-    that time would be counted as the server's (docs/performance.md, "The client")."""
+    ~0.5 ms a request on a 2-core VM where httpx's pure-Python stack costs ~2 ms, time that would
+    be counted as the server's (docs/performance.md, "The benchmark's client")."""
     import aiohttp
 
     limit = cfg.max_concurrency or 4096
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit, force_close=False),
+        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=limit),
         timeout=aiohttp.ClientTimeout(total=cfg.timeout_s, connect=30.0),
         auto_decompress=False, read_bufsize=1 << 20)
 
