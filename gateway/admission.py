@@ -162,8 +162,10 @@ async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIter
 async def settle(state: GatewayState, lease: Lease) -> None:
     """What the request holds, given back once: here, unless its holdings went to Redis with its
     stream and another gateway settles them (or will, if its client comes back there)."""
-    if lease.stream is None or await _claimed(state, lease):
+    if lease.stream is None:
         await holdings.settle(state.limits, state.usage, lease.holdings(), lease.usage, lease.refused())
+    else:
+        await _end_stream(state, lease)
     if lease.outcome is not None:
         try:
             await state.router.record(lease.outcome)
@@ -171,19 +173,19 @@ async def settle(state: GatewayState, lease: Lease) -> None:
             log.warning("could not record the outcome of key %s: %s", lease.key.id, type(exc).__name__)
 
 
-async def _claimed(state: GatewayState, lease: Lease) -> bool:
-    """Whether this gateway settles the stream's holdings now: it saw the end, or its client left
-    and there is no grace; a client that left within a grace is let go (a resume may come back)."""
+async def _end_stream(state: GatewayState, lease: Lease) -> None:
+    """A stream's holdings settled here if this gateway saw its end, or its client left and there
+    is no grace (claimed and settled in one round trip); a client that left within a grace is let
+    go (a resume may come back)."""
     streams = state.streams
     try:
         if not lease.ended() and streams.grace_s > 0 and not lease.unstarted:
             await streams.let_go(lease.stream)
-            return False
+            return
         as_ = "done" if lease.usage is not None else "error" if lease.ended() else ABANDONED
-        return await streams.claim(lease.stream, as_, honour_hold=False) is not None
+        await streams.end(lease.stream, as_, lease.holdings(), lease.usage, lease.refused())
     except Exception as exc:  # its hold lapses, and a sweeper settles it from the reply log
         log.warning("could not settle stream %s here: %s", lease.stream.request_id, type(exc).__name__)
-        return False
 
 
 Admitted = Annotated[Lease, Depends(admit)]

@@ -8,12 +8,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from redis.exceptions import NoScriptError
-
 from gateway.limits import Limits, Reservation
 from shared import names
 from shared.redis_client import is_cluster
-from shared.usage import UsageBook
+from shared.usage import UsageBook, utc_day
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -65,23 +63,31 @@ async def settle(limits: Limits, book: UsageBook, held: Holdings, usage: dict | 
         log.warning("could not settle usage of key %s: %s", held.key_id, type(exc).__name__)
 
 
+def settle_call(book: UsageBook, held: Holdings, usage: dict | None,
+                refused: bool) -> tuple[list[str], list] | None:
+    """The keys and arguments of gateway/limits.py SETTLE_FN for these holdings; None when there
+    is nothing to settle."""
+    r, charged = held.reservation, held.charged(usage, refused)
+    delta = charged - r.estimate if r is not None else 0
+    if not delta and held.version is None and held.slot_id is None:
+        return None
+    day = r.day if r is not None else utc_day()
+    keys = [names.tpm_key(held.key_id), names.daily_tokens_key(held.key_id, day)]
+    args = [r.bucket if r is not None else 0, delta or ""]
+    if held.version is not None:
+        usage_keys, usage_args = book.count_call(held.key_id, held.model, held.version, usage)
+    else:  # never dispatched: no usage (the keys are named, not touched)
+        usage_keys = [names.usage_day_index(day), names.USAGE_DAYS_TO_FOLD, names.usage_key(held.key_id, day)]
+        usage_args = ["", "", "", "", "", "", ""]
+    keys += usage_keys + [names.inflight_key(held.key_id)]
+    return keys, args + usage_args + [held.slot_id or ""]
+
+
 async def _at_once(limits: Limits, book: UsageBook, held: Holdings, usage: dict | None,
                    refused: bool) -> None:
-    """One Redis: the whole settlement in one transaction, one round trip."""
-    charged = held.charged(usage, refused)
-    pipe = limits.redis.pipeline(transaction=True)
-    tokens = held.reservation is not None and limits.queue_settle(pipe, held.reservation, charged)
-    if held.version is not None:
-        book.queue(pipe, held.key_id, held.model, held.version, usage)
-    if held.slot_id is not None:
-        pipe.zrem(names.inflight_key(held.key_id), held.slot_id)
-    if not len(pipe):
-        return
-    results = await pipe.execute(raise_on_error=False)
-    if tokens and isinstance(results[0], NoScriptError):  # a Redis that lost its scripts (a
-        await limits.settle_tokens(held.reservation, charged)  # restart): once more, loading it
-    elif failed := [r for r in results if isinstance(r, Exception)]:
-        log.warning("could not settle usage of key %s: %s", held.key_id, type(failed[0]).__name__)
+    """One Redis: the whole settlement in one script, one round trip."""
+    if (call := settle_call(book, held, usage, refused)) is not None:
+        await limits.settle(*call)
 
 
 async def _in_steps(limits: Limits, book: UsageBook, held: Holdings, usage: dict | None,

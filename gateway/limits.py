@@ -23,7 +23,7 @@ from gateway.metrics import rate_limited
 from shared import names
 from shared.errors import RateLimited
 from shared.settings import GatewaySettings
-from shared.usage import utc_day
+from shared.usage import COUNT_USAGE_FN, utc_day
 
 WINDOW_S = 60
 DAY_TTL_S = 2 * 86400
@@ -113,17 +113,47 @@ return {%(admitted)d, sec, used, token_wait, count, rpm_wait}
        "over_tpm": Verdict.OVER_TPM, "over_daily": Verdict.OVER_DAILY, "over_rpm": Verdict.OVER_RPM,
        "slot_full": Verdict.SLOT_FULL}
 
-# KEYS: tpm hash, daily counter. ARGV: admission bucket, actual - estimate.
-SETTLE_TOKENS = """
-local now = tonumber(redis.call('TIME')[1])
-local bucket, delta = tonumber(ARGV[1]), tonumber(ARGV[2])
-if bucket > now - %(window)d then redis.call('HINCRBY', KEYS[1], bucket, delta)
-elseif delta > 0 then redis.call('HINCRBY', KEYS[1], now, delta) end
-redis.call('EXPIRE', KEYS[1], %(window)d * 2)
-redis.call('INCRBY', KEYS[2], delta)
-redis.call('EXPIRE', KEYS[2], %(day_ttl)d)
-return 1
+# A reservation replaced by the actual count: `delta` more (or fewer) tokens in the minute's
+# bucket it was charged to (or the current one, once that bucket left the window) and in its day.
+SETTLE_TOKENS_FN = """
+local function settle_tokens(tpm, day, bucket, delta)
+  local now = tonumber(redis.call('TIME')[1])
+  if bucket > now - %(window)d then redis.call('HINCRBY', tpm, bucket, delta)
+  elseif delta > 0 then redis.call('HINCRBY', tpm, now, delta) end
+  redis.call('EXPIRE', tpm, %(window)d * 2)
+  redis.call('INCRBY', day, delta)
+  redis.call('EXPIRE', day, %(day_ttl)d)
+end
 """ % {"window": WINDOW_S, "day_ttl": DAY_TTL_S}
+# KEYS: the key's minute, its day. ARGV: bucket, delta.
+SETTLE_TOKENS = SETTLE_TOKENS_FN + """
+settle_tokens(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]))
+return 1
+"""
+
+
+# A request's whole settlement in one Redis (not a cluster): its tokens, its usage, its slot. KEYS
+# from k+1: the key's minute, its day's tokens, the usage day index, the days to fold, the usage
+# hash, the key's requests in flight. ARGV from a+1: bucket, delta ('': nothing to settle), key id,
+# day, fold at, retention, usage field ('': no usage), prompt ('': an error), completion, slot ('':
+# none). Offsets, so that a script can run it after its own (gateway/stream_leases.py CLAIM_SETTLE);
+# the keys and arguments of a request's holdings: gateway/holdings.py settle_call.
+SETTLE_FN = SETTLE_TOKENS_FN + COUNT_USAGE_FN + """
+local function settle(k, a)
+  if ARGV[a + 2] ~= '' then
+    settle_tokens(KEYS[k + 1], KEYS[k + 2], tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]))
+  end
+  if ARGV[a + 7] ~= '' then
+    count_usage(KEYS[k + 3], KEYS[k + 4], KEYS[k + 5], ARGV[a + 3], ARGV[a + 4], ARGV[a + 5],
+                ARGV[a + 6], ARGV[a + 7], ARGV[a + 8], ARGV[a + 9])
+  end
+  if ARGV[a + 10] ~= '' then redis.call('ZREM', KEYS[k + 6], ARGV[a + 10]) end
+end
+"""
+SETTLE = SETTLE_FN + """
+settle(0, 0)
+return 1
+"""
 
 
 @dataclass
@@ -175,6 +205,7 @@ class Limits:
         self.settings = settings
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE_TOKENS)
+        self._settle_all = redis.register_script(SETTLE)
 
     def rpm(self, key: KeyRecord) -> int:
         return key.rpm or self.settings.default_rpm
@@ -247,15 +278,10 @@ class Limits:
                                      names.daily_tokens_key(reservation.key_id, reservation.day)],
                                args=[reservation.bucket, delta])
 
-    def queue_settle(self, pipe, reservation: Reservation, actual: int) -> bool:
-        """`settle_tokens` queued on a pipeline (by its sha: a pipeline of Script objects would ask
-        Redis whether they are loaded first, a round trip); False when nothing is to settle."""
-        delta = actual - reservation.estimate
-        if delta:
-            pipe.evalsha(self._settle.sha, 2, names.tpm_key(reservation.key_id),
-                         names.daily_tokens_key(reservation.key_id, reservation.day),
-                         reservation.bucket, delta)
-        return bool(delta)
+    async def settle(self, keys: list[str], args: list) -> None:
+        """A request's tokens, usage and slot given back in one script (SETTLE; its keys and
+        arguments: gateway/holdings.py settle_call)."""
+        await self._settle_all(keys=keys, args=args)
 
     async def token_window(self, key: KeyRecord) -> dict[str, str]:
         """The x-ratelimit-*-tokens headers from the key's last minute."""

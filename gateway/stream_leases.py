@@ -27,9 +27,10 @@ from enum import IntEnum
 import orjson
 import redis.asyncio as aioredis
 
-from gateway.holdings import Holdings, settle
-from gateway.limits import Limits
+from gateway.holdings import Holdings, settle, settle_call
+from gateway.limits import SETTLE_FN, Limits
 from shared import names, protocol
+from shared.redis_client import is_cluster
 from shared.usage import UsageBook
 
 log = logging.getLogger("kvgate.gateway")
@@ -68,17 +69,34 @@ FOLLOW = """
 if redis.call('EXISTS', KEYS[1]) == 1 then redis.call('HSET', KEYS[1], 'follow', ARGV[1]) end
 return 1
 """
-# KEYS: lease. ARGV: settled-as, now, honour the hold (1) or not (0: the holder claims), TTL.
-# Answers -1 (gone), 0 (settled already), -2 (still held) or the lease's fields (won).
-CLAIM = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
-if redis.call('HEXISTS', KEYS[1], 'settled') == 1 then return 0 end
-if ARGV[3] == '1' and tonumber(redis.call('HGET', KEYS[1], 'until') or '0') > tonumber(ARGV[2]) then
-  return -2
+# The lease settled as ARGV's `as_` by whoever calls: answers -1 (gone), 0 (settled already), -2
+# (still held, when the hold is honoured: '1') or the lease's fields (won).
+CLAIM_FN = """
+local function claim(lease, as_, now, honour, ttl)
+  if redis.call('EXISTS', lease) == 0 then return -1 end
+  if redis.call('HEXISTS', lease, 'settled') == 1 then return 0 end
+  if honour == '1' and tonumber(redis.call('HGET', lease, 'until') or '0') > tonumber(now) then
+    return -2
+  end
+  redis.call('HSET', lease, 'settled', as_)
+  redis.call('EXPIRE', lease, ttl)
+  return redis.call('HGETALL', lease)
 end
-redis.call('HSET', KEYS[1], 'settled', ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[4])
-return redis.call('HGETALL', KEYS[1])
+"""
+# KEYS: lease. ARGV: settled-as, now, honour the hold (1) or not (0: the holder claims), TTL.
+CLAIM = CLAIM_FN + """
+return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
+"""
+# The holder's end of a stream in one Redis: its lease claimed, out of the open streams, and if
+# this call won, its holdings settled (gateway/limits.py SETTLE_FN, from KEYS[3] and ARGV[5]).
+# KEYS: lease, open streams, then SETTLE_FN's. ARGV: settled-as, TTL, open-streams member, then
+# SETTLE_FN's. Answers 1 when it settled, else 0.
+CLAIM_SETTLE = CLAIM_FN + SETTLE_FN + """
+local got = claim(KEYS[1], ARGV[1], '0', '0', ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[3])
+if type(got) ~= 'table' then return 0 end
+settle(2, 3)
+return 1
 """
 
 
@@ -116,6 +134,7 @@ class StreamLeases:
         self._attach = redis.register_script(ATTACH)
         self._renew = redis.register_script(RENEW)
         self._claim = redis.register_script(CLAIM)
+        self._claim_settle = redis.register_script(CLAIM_SETTLE)
         self._follow = redis.register_script(FOLLOW)
         self._loop: asyncio.Task | None = None
 
@@ -177,6 +196,22 @@ class StreamLeases:
             return None
         await self.redis.zrem(names.OPEN_STREAMS, lease.member)
         return Holdings.from_fields(_decoded(got)) if isinstance(got, list) else None
+
+    async def end(self, lease: StreamLease, as_: str, held: Holdings, usage: dict | None,
+                  refused: bool) -> bool:
+        """The holder saw its stream end (`as_`): the lease claimed and, if this call won, `held`
+        settled with `usage`; whether it settled. One script in one Redis; a claim, then the
+        settlement, in a cluster (its keys are in other slots)."""
+        call = None if is_cluster(self.redis) else settle_call(self.book, held, usage, refused)
+        if call is None:
+            if await self.claim(lease, as_, honour_hold=False) is None:
+                return False
+            await settle(self.limits, self.book, held, usage, refused)
+            return True
+        self.held.discard(lease)
+        keys, args = call
+        return bool(await self._claim_settle(keys=[lease.name, names.OPEN_STREAMS, *keys],
+                                             args=[as_, SETTLED_TTL_S, lease.member, *args]))
 
     async def _tend_forever(self) -> None:
         while True:

@@ -25,6 +25,26 @@ ROLLUP_GRACE_S = 600
 _DAY_S = 86400
 
 
+# `record` in one Redis, as a Lua function a settlement script includes (gateway/holdings.py):
+# the day indexed for its roll-up, then the counters; prompt '' counts an error.
+COUNT_USAGE_FN = """
+local function count_usage(index, fold, hash, key_id, day, fold_at, ttl, field, prompt, completion)
+  redis.call('SADD', index, key_id)
+  redis.call('EXPIRE', index, ttl)
+  redis.call('ZADD', fold, 'NX', fold_at, day)
+  redis.call('EXPIRE', fold, ttl)
+  redis.call('HINCRBY', hash, field .. 'requests', 1)
+  if prompt == '' then
+    redis.call('HINCRBY', hash, field .. 'errors', 1)
+  else
+    redis.call('HINCRBY', hash, field .. 'prompt_tokens', prompt)
+    redis.call('HINCRBY', hash, field .. 'completion_tokens', completion)
+  end
+  redis.call('EXPIRE', hash, ttl)
+end
+"""
+
+
 def utc_day(t: float | None = None) -> str:
     return time.strftime("%Y%m%d", time.gmtime(time.time() if t is None else t))
 
@@ -52,17 +72,15 @@ class UsageBook:
         self._count(pipe, hash_key, field, usage)
         await pipe.execute()
 
-    def queue(self, pipe, key_id: str, model: str, version: str, usage: dict | None,
-              now: float | None = None) -> None:
-        """`record`'s commands queued on a transaction of one Redis (not a cluster), so that a
-        request's settlement is one round trip (gateway/holdings.py)."""
+    def count_call(self, key_id: str, model: str, version: str, usage: dict | None,
+                   now: float | None = None) -> tuple[list[str], list]:
+        """`record` as the keys and arguments of COUNT_USAGE_FN (one Redis, not a cluster), so that
+        a request's settlement is one script (gateway/holdings.py); usage None: an error."""
         now = time.time() if now is None else now
         day = utc_day(now)
-        pipe.sadd(names.usage_day_index(day), key_id)
-        pipe.expire(names.usage_day_index(day), self.ttl_s)
-        pipe.zadd(names.USAGE_DAYS_TO_FOLD, {day: now - now % _DAY_S + _DAY_S}, nx=True)
-        pipe.expire(names.USAGE_DAYS_TO_FOLD, self.ttl_s)
-        self._count(pipe, names.usage_key(key_id, day), f"{model}|{version}|", usage)
+        keys = [names.usage_day_index(day), names.USAGE_DAYS_TO_FOLD, names.usage_key(key_id, day)]
+        tokens = ["", ""] if usage is None else [usage["prompt_tokens"], usage["completion_tokens"]]
+        return keys, [key_id, day, now - now % _DAY_S + _DAY_S, self.ttl_s, f"{model}|{version}|", *tokens]
 
     def _count(self, pipe, hash_key: str, field: str, usage: dict | None) -> None:
         pipe.hincrby(hash_key, field + "requests", 1)

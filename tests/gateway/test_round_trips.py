@@ -43,14 +43,15 @@ PHASES = {
 # routing 1 (breaker), dispatch 1, settle 3; streamed: stream 2, settle 5.
 # Now: the key's limits are one script (gateway/limits.py ADMIT), run once the body is routed;
 # the version's breaker is passed in the bounded XADD's script (gateway/dispatch.py).
-# The settlement (tokens, usage, slot) is one transaction (gateway/holdings.py); a stream's also
-# claims its lease (stream_leases.py) and drops it from the open-streams index. A stream's lease
+# The settlement (tokens, usage, slot) is one script (gateway/limits.py SETTLE); a stream's also
+# claims its lease and drops it from the open-streams index in the same script (stream_leases.py
+# CLAIM_SETTLE: it was a claim, a ZREM and the settlement, three round trips). A stream's lease
 # and its open-streams entry are written in one pipeline while the worker computes its first
 # token (the round trip no longer follows the first reply: gateway/openai_api.py). The key's
 # record is kept by the gateway (KVGATE_KEY_CACHE_S, dropped at once on any change: pub/sub), so a
 # key that called within the last seconds costs no lookup.
 NON_STREAMED = {"auth": 0, "limits": 1, "dispatch": 1, "settle": 1}
-STREAMED = {**NON_STREAMED, "stream": 1, "settle": 3}
+STREAMED = {**NON_STREAMED, "stream": 1, "settle": 1}
 BEFORE_XADD = 1  # the key's limits
 
 _trips: contextvars.ContextVar[Counter | None] = contextvars.ContextVar("trips", default=None)
