@@ -17,7 +17,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from gateway.auth import CurrentKey
-from gateway.deps import StateDep
+from gateway.deps import state_of
 from gateway import holdings, timeouts
 from gateway.dispatch import Handle
 from gateway.holdings import Holdings
@@ -139,7 +139,8 @@ def _deferred(request: Request, lease: Lease) -> bool:
     return request.method == "POST" and request.url.path in GENERATING and not lease.resuming
 
 
-async def admit(request: Request, key: CurrentKey, state: StateDep) -> AsyncIterator[Lease]:
+async def admit(request: Request, key: CurrentKey) -> AsyncIterator[Lease]:
+    state = state_of(request)
     limits = state.limits
     lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request), resuming=resumes(request))
     lease.timeouts = timeouts.of(state.settings, key, request.url.path, lease.lane)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from gateway.deps import StateDep
+from gateway.deps import state_of
 from gateway.keys import BOOTSTRAP, KeyRecord, bootstrap_keys, bootstrap_record
 from gateway.state import GatewayState
 from shared import names
@@ -39,9 +39,10 @@ def _bootstrap(settings, token: str) -> KeyRecord | None:
 
 
 @traced("auth")
-async def authenticate(request: Request, state: StateDep) -> KeyRecord:
+async def authenticate(request: Request) -> KeyRecord:
     """The caller's key record, or 401 (missing, unknown, revoked or expired key); an address that
     keeps failing gets 429 for a while (gateway/throttle.py)."""
+    state = state_of(request)
     state.throttle.check_auth(request)
     try:
         record = await _identify(request, state)

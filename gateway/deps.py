@@ -1,6 +1,9 @@
 """The gateway's state as typed dependencies (the FastAPI project template's `deps.py`): a handler
 names what it needs, `store: KeyStoreDep`, and never reaches into `app.state`. None of these adds
-a parameter to the OpenAPI document: each reads only the request."""
+a parameter to the OpenAPI document: each reads only the request. The dependencies every /v1 call
+solves (gateway/auth.py `authenticate`, gateway/admission.py `admit`) call `state_of` instead of
+naming `StateDep`: FastAPI walks a dependency's own dependencies again wherever it is named, even
+when its value is cached, and `admit` is named twice on a generation route."""
 from __future__ import annotations
 
 from dataclasses import fields
@@ -18,8 +21,12 @@ from shared.settings import GatewaySettings
 from shared.usage import UsageBook
 
 
-async def gateway_state(request: Request) -> GatewayState:
+def state_of(request: Request) -> GatewayState:
     return request.app.state.gateway  # the one name on app.state (set by gateway/app.py)
+
+
+async def gateway_state(request: Request) -> GatewayState:
+    return state_of(request)
 
 
 StateDep = Annotated[GatewayState, Depends(gateway_state)]

@@ -17,7 +17,7 @@ from gateway.deps import StateDep
 from gateway.messages_render import MessageRender
 from gateway.messages_schemas import CountTokensRequest, MessagesRequest
 from gateway.openai_api import Answer, Call, open_answer, resume_request
-from gateway.routing import version_header
+from gateway.routing import VERSION_HEADER_DOC
 from gateway.state import GatewayState
 from shared import protocol
 from shared.errors import KvgateError
@@ -32,7 +32,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(admit), Depends(_anthropi
                    tags=["anthropic"])
 
 
-@router.post("/messages", dependencies=[Depends(version_header)])
+@router.post("/messages", openapi_extra=VERSION_HEADER_DOC)
 async def create_message(body: MessagesRequest, request: Request, lease: Admitted, state: StateDep):
     if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)
         return await resume_request(request, state, lease, API)
@@ -55,7 +55,7 @@ API = "messages"
 resume.RENDERS[API] = _resumed
 
 
-@router.post("/messages/count_tokens", dependencies=[Depends(version_header)])
+@router.post("/messages/count_tokens", openapi_extra=VERSION_HEADER_DOC)
 async def count_tokens(body: CountTokensRequest, request: Request, lease: Admitted, state: StateDep):
     """The prompt's tokens as the worker renders them (template, tools, thinking switch included)."""
     as_message = MessagesRequest.model_construct(**dict(body), max_tokens=1, stream=False,

@@ -24,7 +24,7 @@ from gateway.deps import StateDep
 from gateway.dispatch import KEEPALIVE, Handle, LogFollower, Lookahead
 from gateway.holdings import Holdings
 from gateway.limits import Admission, AdmitCall
-from gateway.routing import VERSION_HEADER, observed, version_header
+from gateway.routing import VERSION_HEADER, VERSION_HEADER_DOC, observed
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, Attach, StreamLease
@@ -94,13 +94,13 @@ async def get_model(model_id: str, lease: Admitted, state: StateDep) -> dict:
     return await _model_card(state, model_id, lease)
 
 
-@router.post("/chat/completions", dependencies=[Depends(version_header)])
+@router.post("/chat/completions", openapi_extra=VERSION_HEADER_DOC)
 async def chat_completions(body: ChatCompletionRequest, request: Request, lease: Admitted,
                            state: StateDep):
     return await _serve(request, state, lease, Call.chat(body))
 
 
-@router.post("/completions", dependencies=[Depends(version_header)])
+@router.post("/completions", openapi_extra=VERSION_HEADER_DOC)
 async def completions(body: CompletionRequest, request: Request, lease: Admitted, state: StateDep):
     return await _serve(request, state, lease, Call.completion(body))
 

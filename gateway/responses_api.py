@@ -16,7 +16,7 @@ from gateway.openai_api import Answer, Call, open_answer, resume_request
 from gateway.responses_render import ResponseRender
 from gateway.responses_schemas import ResponsesRequest
 from gateway.responses_store import ResponseStore
-from gateway.routing import version_header
+from gateway.routing import VERSION_HEADER_DOC
 from gateway.state import GatewayState
 from shared.errors import NotFound, QuotaExceeded
 
@@ -33,7 +33,7 @@ def _not_found(response_id: str) -> NotFound:
                     code="response_not_found")
 
 
-@router.post("/responses", dependencies=[Depends(version_header)])
+@router.post("/responses", openapi_extra=VERSION_HEADER_DOC)
 async def create_response(body: ResponsesRequest, request: Request, lease: Admitted, state: StateDep,
                           store: ResponseStore = Depends(_store)):
     if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
-from fastapi import Header
 
 from gateway.breaker import Breaker
 from gateway.keys import KeyRecord
@@ -31,11 +30,12 @@ ROUTE_CACHE_SIZE = 1024  # names without a route cached per process: a flood of 
 # evicts the oldest, never grows memory
 
 
-async def version_header(x_kvgate_version: str | None = Header(
-        None, description="Serve from this version of the model (admin keys and keys with "
-        "version_override only); every response names the version that served it")) -> str | None:
-    """Declares the request header in the OpenAPI document; `_serve` reads it."""
-    return x_kvgate_version
+VERSION_HEADER_DOC = {"parameters": [{
+    "name": VERSION_HEADER, "in": "header", "required": False, "schema": {"type": "string"},
+    "description": "Serve from this version of the model (admin keys and keys with version_override "
+                   "only); every response names the version that served it"}]}
+"""The header in a generation route's OpenAPI operation (`openapi_extra`); the route reads it from
+the request. Declared as a dependency instead, FastAPI would solve it on every call."""
 
 
 @dataclass
