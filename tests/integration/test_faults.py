@@ -135,8 +135,12 @@ def _client(n: int) -> httpx.AsyncClient:
 def test_worker_killed_mid_stream_its_requests_resume_on_the_other(cluster):
     cluster.start_gateway()
     # takes half of the 50: FIFO reads only its room, so the other 25 stay in the stream for the
-    # survivor (the fair order's look-ahead would hold them here); the survivor claims in fair order
-    victim = cluster.start_worker("w-victim", "--max-num-seqs", "25", KVGATE_FAIR_ORDER="false")
+    # survivor (the fair order's look-ahead would hold them here); the survivor claims in fair order.
+    # Its steps are slowed (a slow device, 50 ms): its 120-token streams last 6 s, so they are still
+    # running when the survivor is up however long that takes on a busy host (unslowed, the victim
+    # once finished all 25 first, and `active == 25` read 0)
+    victim = cluster.start_worker("w-victim", "--max-num-seqs", "25", KVGATE_FAIR_ORDER="false",
+                                  KVGATE_FAULT_STEP_MS="50")
     n, max_tokens = 50, 120
     chunks = [0]
 
