@@ -24,7 +24,11 @@ def cluster(tmp_path, tiny_model_dir):
 
 def test_tp2_worker_serves_and_a_dead_rank_hands_its_stream_to_another_worker(cluster):
     cluster.start_gateway()
-    victim = cluster.start_worker("w-tp2", "--tensor-parallel-size", "2", KVGATE_TORCH_THREADS="2")
+    # its steps slowed (a slow device, 50 ms: 60 tokens take 3 s), so that rank 1 dies with most of
+    # the stream still to come however far a busy client lags behind the worker (unslowed, the
+    # worker once had all 60 tokens out before the client counted its fifth: nothing to resume)
+    victim = cluster.start_worker("w-tp2", "--tensor-parallel-size", "2", KVGATE_TORCH_THREADS="2",
+                                  KVGATE_FAULT_STEP_MS="50")
     info = cluster.info("w-tp2")
     assert info["tp_size"] == 2 and [r["rank"] for r in info["tp_ranks"]] == [0, 1]
     assert all(r["weight_bytes"] > 0 and r["kv_bytes"] > 0 for r in info["tp_ranks"])
