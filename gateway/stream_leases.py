@@ -88,7 +88,7 @@ CLAIM = CLAIM_FN + """
 return claim(KEYS[1], ARGV[1], ARGV[2], ARGV[3], ARGV[4])
 """
 # The holder's end of a stream in one Redis: its lease claimed, out of the open streams, and if
-# this call won, its holdings settled (gateway/limits.py SETTLE_FN, from KEYS[3] and ARGV[5]).
+# this call won, its holdings settled (gateway/limits.py SETTLE_FN, from KEYS[3] and ARGV[4]).
 # KEYS: lease, open streams, then SETTLE_FN's. ARGV: settled-as, TTL, open-streams member, then
 # SETTLE_FN's. Answers 1 when it settled, else 0.
 CLAIM_SETTLE = CLAIM_FN + SETTLE_FN + """
