@@ -247,7 +247,7 @@ def test_a_constrained_stream_resumed_after_its_worker_dies_is_whole_and_valid(t
                 c.start_worker("w-survivor")
                 victim.send_signal(signal.SIGKILL)
         resumed = "".join(pieces)
-        assert c.info("w-survivor")["requests_resumed"] == 1
+        assert c.fresh_info("w-survivor")["requests_resumed"] == 1
         jsonschema.validate(json.loads(resumed), schema)
         whole = client.chat.completions.create(**kwargs).choices[0].message.content
         assert resumed == whole

@@ -60,6 +60,16 @@ class Cluster:
         raw = self.client.get(names.worker_key(worker_id))
         return orjson.loads(raw) if raw else None
 
+    def fresh_info(self, worker_id: str, timeout: float = 10) -> dict:
+        """The worker's registry entry written after this call: its counts include everything that
+        finished before it (`info` may be a heartbeat old, 0.3 s here; a loaded host stretches that)."""
+        asked = time.time()
+        deadline = time.monotonic() + timeout
+        while (info := self.info(worker_id)) is None or info["ts"] < asked:
+            assert time.monotonic() < deadline, f"{worker_id} wrote no heartbeat in {timeout}s"
+            time.sleep(0.05)
+        return info
+
     def restart_redis_after(self, seconds: float) -> None:
         self.redis.proc.terminate()  # redis saves its data on SIGTERM (persistence is on)
         self.redis.proc.wait(10)
@@ -161,7 +171,7 @@ def test_worker_killed_mid_stream_its_requests_resume_on_the_other(cluster):
             return results, reference
 
     results, reference = asyncio.run(scenario())
-    resumed = cluster.info("w-survivor")["requests_resumed"]
+    resumed = cluster.fresh_info("w-survivor")["requests_resumed"]
     worst_gap = max(max(b - a for a, b in zip(r["times"], r["times"][1:])) for r in results)
     print(f"\n[fault 1] {resumed} requests resumed on the survivor; longest pause in a stream "
           f"{worst_gap:.2f}s (heartbeat TTL 2s)")

@@ -179,7 +179,7 @@ def test_a_stream_resumed_after_its_worker_dies_gives_the_same_text(tmp_path, ti
                     c.start_worker("w-survivor")
                     victim.send_signal(signal.SIGKILL)
             final = stream.get_final_message()
-        assert c.info("w-survivor")["requests_resumed"] == 1
+        assert c.fresh_info("w-survivor")["requests_resumed"] == 1
         assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 150
         assert "".join(pieces) == client.messages.create(**kwargs).content[0].text
     finally:

@@ -174,7 +174,7 @@ def test_a_stream_resumed_after_its_worker_dies_gives_the_same_text(tmp_path, ti
                     c.start_worker("w-survivor")
                     victim.send_signal(signal.SIGKILL)
             last = event
-        assert c.info("w-survivor")["requests_resumed"] == 1
+        assert c.fresh_info("w-survivor")["requests_resumed"] == 1
         assert last.type == "response.incomplete" and last.response.usage.output_tokens == 150
         assert "".join(pieces) == client.responses.create(**kwargs).output_text
     finally:

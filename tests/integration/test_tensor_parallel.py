@@ -61,5 +61,5 @@ def test_tp2_worker_serves_and_a_dead_rank_hands_its_stream_to_another_worker(cl
     print(f"\n[tp] rank 1 killed: the worker exited {exited[0]:.2f}s later with {victim.returncode}")
     assert victim.returncode == RANK_DIED and exited[0] < 5
     assert got["error"] is None and got["finish"] == "length"
-    assert cluster.info("w-tp1")["requests_resumed"] == 1
+    assert cluster.fresh_info("w-tp1")["requests_resumed"] == 1
     assert got["text"] == reference["text"], "the resumed text must equal an uninterrupted run"
