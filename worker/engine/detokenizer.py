@@ -9,6 +9,9 @@ wholly inside the pending (unreleased) text.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 REPLACEMENT_CHAR = "\ufffd"
 _PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output token, as vLLM does
 
@@ -18,6 +21,7 @@ class IncrementalDetokenizer:
         self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop_str_in_output: bool
     ):
         self.tokenizer = tokenizer
+        self._decode_ids = window_decoder(tokenizer)
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - _PROMPT_CONTEXT, 0)
         self.read_offset = len(self.ids)
@@ -53,9 +57,7 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text):]
 
     def _decode(self, start: int, end: int) -> str:
-        """No space clean-up: it could join text across window edges differently each step."""
-        ids = self.ids[start:end]
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self._decode_ids(self.ids[start:end])
 
     def _release(self, final: bool) -> str:
         """Cut at the first stop string if one matched, else keep back a possible stop prefix."""
@@ -87,3 +89,21 @@ class IncrementalDetokenizer:
                     longest = n
                     break
         return longest
+
+
+def window_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)` (no
+    space clean-up: it could join text across window edges differently each step), by the Rust
+    tokenizer itself when the class decodes through it unchanged: transformers' wrapper costs ~10 µs
+    a call, and every token of every sequence makes two calls. A class with its own decoding (or a
+    Python tokenizer) goes through the wrapper."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the wrapper is always right
+        TokenizersBackend = None
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode):
+        return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
+    return partial(tokenizer.decode, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -1,7 +1,10 @@
 """Incremental detokenizer on the demo byte-level BPE tokenizer: final text only, stops cut exactly."""
+import copy
+import random
+
 import pytest
 
-from worker.engine.detokenizer import IncrementalDetokenizer
+from worker.engine.detokenizer import IncrementalDetokenizer, window_decoder
 from worker.models.demo import train_tokenizer
 
 MIXED = "Héllo wörld 你好 😀 model token 🎉 中文 café, the cache block stream"
@@ -93,3 +96,31 @@ def test_special_tokens_are_not_rendered(tok):
     ids = ids_of(tok, "hello") + [tok.eos_token_id]
     d, deltas = feed(tok, ids)
     assert "".join(deltas) + d.flush() == "hello"
+
+
+def test_the_rust_decode_is_the_wrappers_on_any_window(tok):
+    """The windows are decoded by the Rust tokenizer directly (worker/engine/detokenizer.py
+    `window_decoder`); on any window of ids, special tokens and split characters included, its text
+    is what transformers' decode gives with the same options."""
+    fast = window_decoder(tok)
+    assert fast.func == tok.backend_tokenizer.decode, "this tokenizer decodes through Rust directly"
+    rng = random.Random(3)
+    ids = ids_of(tok, MIXED) + [tok.eos_token_id] + ids_of(tok, " café 😀 tail") + [tok.bos_token_id]
+    for _ in range(300):
+        start = rng.randrange(len(ids))
+        window = ids[start:start + rng.randrange(1, 8)] if rng.random() < 0.8 else \
+            [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 6))]
+        assert fast(window) == tok.decode(window, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_a_tokenizer_with_its_own_decoding_keeps_it(tok):
+    """A class that decodes its own way (or any tokenizer that is not a Rust one) is not bypassed."""
+
+    class Shouting(type(tok)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    shouting = copy.copy(tok)
+    shouting.__class__ = Shouting
+    d, deltas = feed(shouting, ids_of(tok, "hello there"))
+    assert "".join(deltas) + d.flush() == "HELLO THERE"
