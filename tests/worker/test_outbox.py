@@ -66,12 +66,15 @@ def test_an_unreachable_redis_holds_everything(tmp_path):
     from shared.redis_server import RedisServer
 
     server = RedisServer(data_dir=tmp_path).start()
-    client = redis.Redis.from_url(server.url, socket_connect_timeout=0.5)
-    outbox = Outbox(client, STREAM, "w")
-    outbox.reply(CHANNEL, _delta("away-1", 1))
-    server.stop()
-    assert outbox.flush([(STREAM, 4)]) is None
-    assert [name for name, *_ in outbox.refused] == ["publish", "rpush", "expire"]
-    server.start()
-    assert outbox.flush() == [] and outbox.refused == []
-    assert _log(client, "away-1") == [1]
+    try:
+        client = redis.Redis.from_url(server.url, socket_connect_timeout=0.5)
+        outbox = Outbox(client, STREAM, "w")
+        outbox.reply(CHANNEL, _delta("away-1", 1))
+        server.stop()
+        assert outbox.flush([(STREAM, 4)]) is None
+        assert [name for name, *_ in outbox.refused] == ["publish", "rpush", "expire"]
+        server.start()
+        assert outbox.flush() == [] and outbox.refused == []
+        assert _log(client, "away-1") == [1]
+    finally:
+        server.stop()  # the second start's server too (it outlived the test run before)
