@@ -51,20 +51,22 @@ def gateway(tmp_path_factory):
                             stderr=subprocess.STDOUT, start_new_session=True)
     gw = Gateway(f"http://127.0.0.1:{port}")
     deadline = time.monotonic() + 60
-    with gw.client("127.0.0.250", key=None) as probe:  # an address no test uses
-        while True:
-            assert proc.poll() is None, (root / "gateway.log").read_text()
-            assert time.monotonic() < deadline, "the gateway did not become ready"
-            try:
-                if probe.get("/readyz").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-    yield gw
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
-    server.stop()
+    try:  # a gateway that never became ready leaves no process or Redis behind either
+        with gw.client("127.0.0.250", key=None) as probe:  # an address no test uses
+            while True:
+                assert proc.poll() is None, (root / "gateway.log").read_text()
+                assert time.monotonic() < deadline, "the gateway did not become ready"
+                try:
+                    if probe.get("/readyz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+        yield gw
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        server.stop()
     assert "Traceback" not in (root / "gateway.log").read_text()
 
 

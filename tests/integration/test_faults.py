@@ -25,6 +25,18 @@ KEY = "sk-kvg-fault-test-key"
 FAST_HEARTBEAT = {"KVGATE_HEARTBEAT_S": "0.3", "KVGATE_HEARTBEAT_TTL_S": "2"}
 
 
+def fresh_entry(info, worker_id: str, timeout: float = 10) -> dict:
+    """The worker's registry entry (`info(worker_id)`) written after this call: its counts include
+    everything that finished before it (the latest may be a heartbeat old, 0.3 s in these tests; a
+    loaded host stretches that)."""
+    asked = time.time()
+    deadline = time.monotonic() + timeout
+    while (entry := info(worker_id)) is None or entry["ts"] < asked:
+        assert time.monotonic() < deadline, f"{worker_id} wrote no heartbeat in {timeout}s"
+        time.sleep(0.05)
+    return entry
+
+
 class Cluster:
     def __init__(self, root: Path, model_dir: Path):
         self.root, self.model_dir = root, model_dir
@@ -61,14 +73,7 @@ class Cluster:
         return orjson.loads(raw) if raw else None
 
     def fresh_info(self, worker_id: str, timeout: float = 10) -> dict:
-        """The worker's registry entry written after this call: its counts include everything that
-        finished before it (`info` may be a heartbeat old, 0.3 s here; a loaded host stretches that)."""
-        asked = time.time()
-        deadline = time.monotonic() + timeout
-        while (info := self.info(worker_id)) is None or info["ts"] < asked:
-            assert time.monotonic() < deadline, f"{worker_id} wrote no heartbeat in {timeout}s"
-            time.sleep(0.05)
-        return info
+        return fresh_entry(self.info, worker_id, timeout)
 
     def restart_redis_after(self, seconds: float) -> None:
         self.redis.proc.terminate()  # redis saves its data on SIGTERM (persistence is on)

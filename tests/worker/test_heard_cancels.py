@@ -77,7 +77,7 @@ def _exists_calls(cluster: Cluster) -> int:
 
 
 def _admitted(cluster: Cluster) -> int:
-    return cluster.info("w1")["requests_admitted"]
+    return cluster.fresh_info("w1")["requests_admitted"]
 
 
 def test_a_heard_cancel_is_honoured_without_a_round_trip(cluster):
@@ -103,7 +103,6 @@ def test_a_redelivered_entry_reads_the_marker(cluster):
     subscription (`answers_for` above)."""
     ch = Channel(cluster, "orphans")
     cluster.client.set(names.cancelled_key("orphan-marked"), "client_gone", ex=600)
-    time.sleep(2 * HEARTBEAT_S)  # the registry's counters move at each heartbeat
     admitted = _admitted(cluster)
     orphan(cluster, protocol.encode(entry("orphan-marked", ch.name, prompt="hi")))
     stream = names.request_stream("demo", "v1")
