@@ -148,16 +148,17 @@ class Stack:
         return Endpoint(self.server.url, self.server.key, "demo")
 
     def hits(self) -> int:
-        """The worker's prefix-cache hit tokens, once two heartbeats agree (the registry lags a beat)."""
-        last = None
+        """The worker's prefix-cache hit tokens, from registry entries written after this call (at
+        most a heartbeat later), so they count every request that finished before it."""
+        asked, deadline = time.time(), time.monotonic() + 30
         while True:
             ids = self.redis.zrange(names.WORKERS_ZSET, 0, -1)
-            now = sum(orjson.loads(raw)["stats"]["prefix_cache_hits"]
-                      for raw in (self.redis.get(names.worker_key(i.decode())) for i in ids) if raw)
-            if now == last:
-                return now
-            last = now
-            time.sleep(1.2)
+            entries = [orjson.loads(raw) for raw in (self.redis.get(names.worker_key(i.decode())) for i in ids) if raw]
+            if entries and all(e["ts"] >= asked for e in entries):
+                return sum(e["stats"]["prefix_cache_hits"] for e in entries)
+            if time.monotonic() > deadline:
+                raise RuntimeError("no worker of the stack wrote its registry entry in 30 s")
+            time.sleep(0.05)
 
 
 def measure(stack: Stack, run) -> dict:
