@@ -190,11 +190,28 @@ def _metrics_dir():
     for stale in folder.glob("*.db"):
         stale.unlink()
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(folder)
+    if not given:
+        _remove_on_signal(folder)
     try:
         yield
     finally:
         if not given:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_on_signal(folder: Path) -> None:
+    """uvicorn shuts down on SIGTERM or SIGINT, then raises the signal again with the handlers it
+    found (ours, set here) so the process ends as killed by it: the `finally` above never runs.
+    Each stop left its folder in /tmp. The handler removes it, then lets the signal end the
+    process as before (the same exit status)."""
+    import signal
+
+    def remove_then_resignal(signum, frame) -> None:
+        shutil.rmtree(folder, ignore_errors=True)
+        signal.signal(signum, previous[signum])
+        signal.raise_signal(signum)
+
+    previous = {sig: signal.signal(sig, remove_then_resignal) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 @main.command()
