@@ -18,6 +18,7 @@ import json
 import random
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from kvgate.bench.procs import Processes, Server
 from kvgate.lang import Endpoint, function, gen, select
 from shared import names
 
+HEARTBEAT_S = 0.2  # the stacks' workers write their registry entry (and hit counters) this often
 TARGET = 3.0  # the program at least this many times faster than the naive calls, on (1) and (2)
 WORDS = ("invoice order customer shipment total amount date account north river stone bright quiet seven "
          "market ledger signal harbor copper meadow lantern").split()
@@ -140,7 +142,9 @@ class Stack:
     """One `kvgate up` and a way to read its worker's prefix-cache hits (from the registry)."""
 
     def __init__(self, procs: Processes, name: str, model_dir: Path, caching: bool):
-        env = {} if caching else {"KVGATE_ENABLE_PREFIX_CACHING": "false"}
+        # a registry entry 5 times a second (1 by default), so `hits` waits a fifth of a second
+        env = {"KVGATE_HEARTBEAT_S": str(HEARTBEAT_S),
+               **({} if caching else {"KVGATE_ENABLE_PREFIX_CACHING": "false"})}
         self.server: Server = procs.kvgate(name, model_dir, "paged", env)
         self.redis = redis.Redis.from_url((procs.log_dir / name / "redis.url").read_text().strip())
 
@@ -159,6 +163,13 @@ class Stack:
             if time.monotonic() > deadline:
                 raise RuntimeError("no worker of the stack wrote its registry entry in 30 s")
             time.sleep(0.05)
+
+
+def warm(stack: Stack, run) -> None:
+    """`run(endpoint)` untimed, its figures unread (grammars compiled, other prefixes cached)."""
+    ep = stack.endpoint()
+    run(ep)
+    ep.close()
 
 
 def measure(stack: Stack, run) -> dict:
@@ -190,17 +201,20 @@ def run_bench(quick: bool = False, out_json: str | None = "docs/perf/programs.js
     tokenizer = load_tokenizer(model)
     procs = Processes(tmp / "logs")
     try:
-        stacks = {"program_cached": Stack(procs, "cached", model, caching=True),
-                  "program_uncached": Stack(procs, "uncached", model, caching=False),
-                  "naive": Stack(procs, "naive", model, caching=True)}
+        with ThreadPoolExecutor(3) as pool:  # the three start side by side
+            started = {way: pool.submit(Stack, procs, name, model, caching)
+                       for way, name, caching in (("program_cached", "cached", True),
+                                                  ("program_uncached", "uncached", False),
+                                                  ("naive", "naive", True))}
+            stacks = {way: future.result() for way, future in started.items()}
         timed = _inputs(random.Random(23), tokenizer, sizes)
-        warm = _inputs(random.Random(99), tokenizer, replace(sizes, questions=2))  # warming needs few
+        warming = _inputs(random.Random(99), tokenizer, replace(sizes, questions=2))  # warming needs few
         report = {"quick": quick, "sizes": sizes.__dict__, "model": str(model), "programs": {}}
         for name in only:
             rows = {}
             for way, stack in stacks.items():
                 run = _way(name, way == "naive", sizes)
-                measure(stack, lambda ep: run(ep, warm))  # untimed: grammars compiled, other prefixes
+                warm(stack, lambda ep: run(ep, warming))
                 rows[way] = measure(stack, lambda ep: run(ep, timed))
             same = rows["program_cached"].pop("result") == rows["naive"].pop("result")
             rows["program_uncached"].pop("result")
