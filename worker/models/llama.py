@@ -140,8 +140,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
-        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if shard.size == 1
-                             else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
+        # the weight given (empty: the checkpoint fills it) skips nn.Embedding's random init, whose
+        # path on the meta device imports torch._dynamo: ~0.5 s of every worker's start
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+                             if shard.size == 1 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
