@@ -11,7 +11,36 @@ def load_tokenizer(model_dir: str | Path):
     """The folder's own tokenizer; local files only, so a worker never reaches the network."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_config_for(Path(model_dir)))
+
+
+def _config_for(model_dir: Path) -> dict:
+    """AutoTokenizer reads the folder's model config only to check the class tokenizer_config.json
+    names (by the config's model_type, name and tokenizer_class); loading it imports the model's
+    configuration module, which in transformers 5 pulls in torch.distributed.tensor and sympy:
+    ~0.7 s of every worker's start. Where tokenizer_config.json names its class and brings no code
+    of its own, AutoTokenizer gets a plain config carrying just what it reads, so it picks the
+    class it would have picked; otherwise ({}) it loads the folder's config itself."""
+    tokenizer_config = _json(model_dir / "tokenizer_config.json")
+    config = _json(model_dir / "config.json")
+    if (not tokenizer_config.get("tokenizer_class") or "auto_map" in tokenizer_config
+            or not isinstance(config.get("model_type"), str) or "auto_map" in config):
+        return {}
+    from transformers import PretrainedConfig
+
+    plain = PretrainedConfig(name_or_path=str(model_dir), tokenizer_class=config.get("tokenizer_class"))
+    plain.model_type = config["model_type"]
+    if "model_name" in config:
+        plain.model_name = config["model_name"]
+    return {"config": plain}
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _ids(value) -> set[int]:
