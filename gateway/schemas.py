@@ -194,6 +194,17 @@ class CompletionRequest(_Sampling):
     def _respelled(self) -> dict:
         return {**super()._respelled(), "prompt_logprobs": self.scores_prompt()}
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_token_prompt(cls, v):
+        """A list of token-id lists is OpenAI's batch of tokenized prompts: one is that prompt (as a
+        list of one string is), several are refused as batched strings are."""
+        if isinstance(v, list) and v and isinstance(v[0], list):
+            if len(v) != 1:
+                raise ValueError("batched prompts are not supported; send one prompt per request")
+            return v[0]
+        return v
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):

@@ -40,7 +40,7 @@ def test_numbers_are_bounded_at_both_ends(field, high):
     {"stop": ["x" * (bounds.STOP_CHARS + 1)]}, {"stop": ["a"] * (bounds.STOP_SEQUENCES + 1)},
     {"stop": [""]}, {"stop_token_ids": [0] * (bounds.STOP_TOKEN_IDS + 1)},
     {"stop_token_ids": [-1]}, {"stop_token_ids": [bounds.TOKEN_ID_MAX + 1]},
-    {"prompt": [1, -7]}, {"prompt": []}, {"prompt": [[1, 2]]}, {"model": "m" * (bounds.MODEL_NAME_CHARS + 1)},
+    {"prompt": [1, -7]}, {"prompt": []}, {"prompt": [[1, 2], [3]]}, {"prompt": [[1, -7]]}, {"prompt": [[]]}, {"model": "m" * (bounds.MODEL_NAME_CHARS + 1)},
     {"user": "u" * (bounds.USER_CHARS + 1)}, {"echo": True, "prompt": [1, 2]},
     {"echo": True, "logprobs": 1, "stream": True, "n": 2}, {"prompt_logprobs_start": -1}])
 def test_completion_fields_out_of_bounds_are_refused(fields):
@@ -60,3 +60,13 @@ def test_content_parts_must_be_text_objects(content):
 def test_message_count_is_bounded():
     with pytest.raises(ValidationError):
         _chat(messages=[{"role": "user", "content": "x"}] * (bounds.MESSAGES + 1))
+
+
+def test_a_batch_of_one_prompt_is_that_prompt_and_of_several_is_refused_by_name():
+    assert _completion(prompt=[[5, 6, 7]]).prompt == [5, 6, 7]  # as ["text"] is "text"
+    assert _completion(prompt=["text"]).prompt == "text"
+    for batch in ([[1], [2]], ["a", "b"]):
+        with pytest.raises(ValidationError, match="batched prompts are not supported"):
+            _completion(prompt=batch)
+    with pytest.raises(ValidationError):  # the one list still bounded like any token-id prompt
+        _completion(prompt=[[1] * (bounds.PROMPT_TOKEN_IDS + 1)])
