@@ -53,9 +53,10 @@ class BatchInputs:
                            self.scoring and self.scoring.to(device))
 
 
-def make_backend(name: str, device: torch.device):
+def make_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype):
     """`auto` takes Triton on CUDA when it is importable, else torch with the native CPU decode
-    kernel; `torch` is the pure-torch reference."""
+    kernel (compiled here, at start-up, not by the first decode step); `torch` is the pure-torch
+    reference."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
             from worker.engine.triton_attention import TritonAttentionBackend
@@ -68,7 +69,9 @@ def make_backend(name: str, device: torch.device):
         raise ValueError(f"unknown attention backend {name!r}: auto, torch or triton")
     from worker.engine.torch_attention import TorchAttention
 
-    return TorchAttention(native_decode=name == "auto")
+    backend = TorchAttention(native_decode=name == "auto")
+    backend.prepare(head_dim, dtype, device)
+    return backend
 
 
 class ModelRunner:
@@ -90,7 +93,7 @@ class ModelRunner:
                                        model_cfg.intermediate_size)
         log.info("dtype %s (%s)", _dtype_name(self.dtype), why)
         self.block_size = config.block_size
-        self.backend = make_backend(config.attention_backend, self.device)
+        self.backend = make_backend(config.attention_backend, self.device, model_cfg.head_dim, self.dtype)
         self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend, self.shard)
         self.kernels = self._choose_kernels(config)
         self.num_kv_heads = self.shard.kv_heads(model_cfg.num_heads, model_cfg.num_kv_heads)[1]

@@ -34,6 +34,12 @@ class TorchAttention:
         self._workspace: dict[str, torch.Tensor] = {}
         self.native_decode = native_decode
 
+    def prepare(self, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Compiles the native decode kernel now where decode steps will use it: compiling it
+        (~0.2 s of `cc`) on the first decode step made a fresh worker's first request that late."""
+        if self.native_decode and device.type == "cpu" and dtype == torch.float32:
+            _native_kernel(head_dim)
+
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         heads, dim = k_cache.shape[2:]

@@ -66,3 +66,16 @@ def test_pick_takes_the_layout_best_at_both_sizes_then_each_sizes_fastest():
 def test_an_unknown_kernel_is_refused_naming_the_choices(tmp_path):
     with pytest.raises(ValueError, match="unknown linear kernel 'mkl': auto, onednn, aten"):
         LinearKernel("mkl", "mkl")
+
+
+def test_the_native_decode_kernel_is_compiled_when_the_engine_is_built_not_by_a_request(case):
+    """Compiled by the first decode step, it made a fresh worker's first request ~0.2 s late."""
+    from worker.engine.torch_attention import _native_kernel
+
+    model_dir, prompts, expected = case
+    _native_kernel.cache_clear()
+    llm = LLM(model_dir)  # auto: torch attention with the native decode kernel on CPU, fp32
+    built = _native_kernel.cache_info()
+    assert built.misses == 1 and built.currsize == 1
+    assert [r.token_ids for r in llm.generate(prompts[:2], GREEDY)] == expected[:2]
+    assert _native_kernel.cache_info().misses == 1  # the decode steps compiled nothing
