@@ -62,9 +62,16 @@ class Cluster:
         return proc
 
     def start_worker(self, name: str, *flags: str, **env) -> subprocess.Popen:
-        proc = self._spawn(name, ["worker", "--model", str(self.model_dir), "--served-name", "demo",
+        return self.worker_ready(name, self.spawn_worker(name, *flags, **env))
+
+    def spawn_worker(self, name: str, *flags: str, **env) -> subprocess.Popen:
+        """A worker started, not waited for: several spawned before any is waited for start side by side."""
+        return self._spawn(name, ["worker", "--model", str(self.model_dir), "--served-name", "demo",
                                   "--redis-url", self.redis.url, *flags],
                            {**FAST_HEARTBEAT, "KVGATE_WORKER_ID": name, **env})
+
+    def worker_ready(self, name: str, proc: subprocess.Popen) -> subprocess.Popen:
+        """`proc` once its registry entry is written."""
         _wait(lambda: self.info(name) is not None, proc)
         return proc
 
@@ -278,8 +285,9 @@ def test_redis_outage_gives_503s_then_everything_works_again(cluster):
 
 def test_sigterm_drains_a_worker_without_losing_requests(cluster):
     cluster.start_gateway()
-    leaving = cluster.start_worker("w-leaving", "--max-num-seqs", "15")  # so both get half
-    cluster.start_worker("w-staying", "--max-num-seqs", "15")
+    leaving = cluster.spawn_worker("w-leaving", "--max-num-seqs", "15")  # so both get half
+    cluster.worker_ready("w-staying", cluster.spawn_worker("w-staying", "--max-num-seqs", "15"))
+    cluster.worker_ready("w-leaving", leaving)
     n = 30
     chunks = [0]
 

@@ -276,8 +276,9 @@ def test_a_canary_failing_before_its_first_token_is_retried_on_stable_and_charge
     cluster = Cluster(tmp_path, tiny_model_dir)
     try:
         cluster.start_gateway(KVGATE_ADMIN_KEY=ADMIN)
-        cluster.start_worker("w1")
-        cluster.start_worker("w2", "--version", "v2", "--fault-error-rate", "1.0")
+        first = cluster.spawn_worker("w1")
+        cluster.worker_ready("w2", cluster.spawn_worker("w2", "--version", "v2", "--fault-error-rate", "1.0"))
+        cluster.worker_ready("w1", first)
         admin = {"Authorization": f"Bearer {ADMIN}"}
         r = httpx.put(cluster.url + "/admin/canary/demo", headers=admin, timeout=10,
                       json={"version": "v2", "stable": "v1", "weight": 100})

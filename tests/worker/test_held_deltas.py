@@ -18,10 +18,12 @@ from tests.worker.test_wire_schemas import Channel, entry
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir):
     c = Cluster(tmp_path_factory.mktemp("held"), tiny_model_dir)
-    c.start_worker("held")
-    c.start_worker("slow", "--version", "v2", KVGATE_HOLD_S="0.1", KVGATE_FAULT_STEP_MS="20")
-    c.start_worker("each", "--version", "v3", KVGATE_HOLD_S="0")
-    c.start_worker("patient", "--version", "v4", KVGATE_FIRST_HOLD_S="1")
+    started = {"held": c.spawn_worker("held"),  # side by side, then each waited for
+               "slow": c.spawn_worker("slow", "--version", "v2", KVGATE_HOLD_S="0.1", KVGATE_FAULT_STEP_MS="20"),
+               "each": c.spawn_worker("each", "--version", "v3", KVGATE_HOLD_S="0"),
+               "patient": c.spawn_worker("patient", "--version", "v4", KVGATE_FIRST_HOLD_S="1")}
+    for name, proc in started.items():
+        c.worker_ready(name, proc)
     yield c
     c.close()
 
