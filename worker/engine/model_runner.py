@@ -279,6 +279,35 @@ class ModelRunner:
         })
 
     def _prepare(self, batch: ScheduledBatch) -> BatchInputs:
+        if all(n == 1 for _, n in batch):
+            return self._prepare_decode(batch)
+        return self._prepare_any(batch)
+
+    def _prepare_decode(self, batch: ScheduledBatch) -> BatchInputs:
+        """`_prepare_any`'s plan for a step of one token per sequence (a decode step), its index
+        arithmetic done on lists instead of ~15 small torch ops (~0.35 ms a step on CPU: 5 % of a
+        decode step of the demo model at batch 32)."""
+        bs = self.block_size
+        starts = [seq.num_computed_tokens for seq, _ in batch]
+        seq_lens = [s + 1 for s in starts]
+        width = max(len(seq.block_table) for seq, _ in batch)
+        tables = torch.tensor([seq.block_table + [0] * (width - len(seq.block_table)) for seq, _ in batch],
+                              dtype=torch.int32)
+        slots = [seq.block_table[s // bs] * bs + s % bs for (seq, _), s in zip(batch, starts)]
+        query_start = torch.arange(len(batch) + 1, dtype=torch.int32)
+        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots), query_start_loc=query_start,
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
+            max_query_len=1, max_seq_len=max(seq_lens),
+            query_lens_cpu=[1] * len(batch), seq_lens_cpu=seq_lens,
+        )
+        input_ids = [seq.tokens(s, s + 1)[0] for (seq, _), s in zip(batch, starts)]
+        return BatchInputs(torch.tensor(input_ids), torch.tensor(starts), meta, sample_rows,
+                           torch.tensor(sample_rows, dtype=torch.long),
+                           prompt_logprobs.plan_scoring(batch, starts, query_start))
+
+    def _prepare_any(self, batch: ScheduledBatch) -> BatchInputs:
         bs = self.block_size
         starts = [seq.num_computed_tokens for seq, _ in batch]
         query_lens = [n for _, n in batch]
