@@ -7,25 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from shared.redis_server import free_port
-
-
-def _wait_ready(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"gateway exited with {proc.returncode}"
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError("gateway did not become ready")
+from tests.integration.test_faults import _wait
 
 
 # the exit status each signal gave before the clean-up existed: SIGTERM is raised again by uvicorn
@@ -42,7 +29,7 @@ def test_a_signalled_gateway_removes_its_metrics_folder_and_ends_as_before(redis
                                  "--redis-url", redis_server.url], stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
     try:
-        _wait_ready(proc, f"http://127.0.0.1:{port}")
+        _wait(lambda: httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200, proc)
         folders = list(scratch.glob("kvgate-metrics-*"))
         assert len(folders) == 1 and any(folders[0].glob("*.db")), folders  # in use while it runs
         proc.send_signal(sig)
