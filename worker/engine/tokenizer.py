@@ -51,18 +51,12 @@ def _ids(value) -> set[int]:
     return {int(v) for v in value}
 
 
-def _json_field(path: Path, key: str):
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get(key)
-
-
 def eos_token_ids(model_dir: str | Path, tokenizer) -> set[int]:
     """Every id that ends a turn: models often list extra EOS ids only in config or generation_config."""
     model_dir = Path(model_dir)
     ids = _ids(getattr(tokenizer, "eos_token_id", None))
-    ids |= _ids(_json_field(model_dir / "config.json", "eos_token_id"))
-    ids |= _ids(_json_field(model_dir / "generation_config.json", "eos_token_id"))
+    ids |= _ids(_json(model_dir / "config.json").get("eos_token_id"))
+    ids |= _ids(_json(model_dir / "generation_config.json").get("eos_token_id"))
     return ids
 
 
