@@ -55,8 +55,10 @@ class Cluster:
 
     def start_gateway(self, **env) -> subprocess.Popen:
         port = free_port()
+        # its metrics folder under the test's own: close() kills, and a killed gateway cannot remove it
         proc = self._spawn("gateway", ["gateway", "--port", str(port), "--redis-url", self.redis.url],
-                           {"KVGATE_API_KEY": KEY, "KVGATE_SECRET": "fault-test-secret", **env})
+                           {"KVGATE_API_KEY": KEY, "KVGATE_SECRET": "fault-test-secret",
+                            "PROMETHEUS_MULTIPROC_DIR": str(self.root / f"metrics-{port}"), **env})
         self.url = f"http://127.0.0.1:{port}"
         _wait(lambda: httpx.get(self.url + "/readyz", timeout=1).status_code == 200, proc)
         return proc
