@@ -54,8 +54,9 @@ class BatchInputs:
 
 
 def make_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype):
-    """`auto` takes Triton on CUDA when it is importable, else torch with the native CPU decode
-    kernel (compiled here, at start-up, not by the first decode step); `torch` is the pure-torch
+    """`auto` takes Triton on CUDA when it is importable, else torch with the native CPU kernels
+    (compiled here, at start-up, not by the first decode step: decode attention, and the model's
+    element-wise work and greedy argmax through `backend.kernels`); `torch` is the pure-torch
     reference."""
     if name == "triton" or (name == "auto" and device.type == "cuda"):
         try:
@@ -95,6 +96,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.backend = make_backend(config.attention_backend, self.device, model_cfg.head_dim, self.dtype)
         self.model = load_model(config.model_dir, model_cfg, self.device, self.dtype, self.backend, self.shard)
+        self.cpu_kernels = getattr(self.backend, "kernels", None)  # native fp32 CPU kernels, if built
+        self.model.cpu_kernels = self.cpu_kernels
         self.kernels = self._choose_kernels(config)
         self.num_kv_heads = self.shard.kv_heads(model_cfg.num_heads, model_cfg.num_kv_heads)[1]
         self.kv = self._size_kv_cache(config, model_cfg)
@@ -108,7 +111,7 @@ class ModelRunner:
         self.rank_memory = self._rank_memory()
         self.kv = replace(self.kv, tp_size=self.shard.size, ranks=tuple(self.rank_memory),
                           linear_kernel=self.kernels.label())
-        self.sampler = Sampler(eos_token_ids)
+        self.sampler = Sampler(eos_token_ids, self.cpu_kernels)
         self.decode_graphs = self._build_decode_graphs(config)
         self.num_graph_steps = 0  # decode steps that went through decode_graphs
 

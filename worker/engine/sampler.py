@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from worker.engine.constraint import Constraint
+from worker.engine.cpu_native import CpuKernels
 from worker.engine.logit_rules import GrammarMasks, apply_logit_bias
 from worker.engine.shortlist import shortlist, take_rows
 from worker.engine.types import SamplingParams, TokenLogprob
@@ -41,8 +42,9 @@ def draw_key(seed: int, choice_index: int, step: int) -> int:
 
 
 class Sampler:
-    def __init__(self, eos_token_ids: Iterable[int]):
+    def __init__(self, eos_token_ids: Iterable[int], cpu_kernels: CpuKernels | None = None):
         self.eos_token_ids = sorted(set(eos_token_ids))
+        self._cpu_kernels = cpu_kernels  # their argmax: torch's runs single-threaded on CPU
         self._shared: dict[torch.device, torch.Generator] = {}
         self._grammar_masks = GrammarMasks()
 
@@ -50,7 +52,7 @@ class Sampler:
         self, logits: torch.Tensor, rows: list[SampleRow]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
         if all(_plain_greedy(row) for row in rows):  # nothing edits the logits: skip the copy and masks
-            return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+            return self._argmax(logits).tolist(), [None] * len(rows)
         logits = logits.to(torch.float32, copy=True)  # masks below write in place
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
@@ -61,12 +63,17 @@ class Sampler:
         greedy = [r for r, row in enumerate(rows) if row.params.greedy]
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
         if greedy:
-            tokens[torch.tensor(greedy, device=logits.device)] = take_rows(logits, greedy).argmax(dim=-1)
+            tokens[torch.tensor(greedy, device=logits.device)] = self._argmax(take_rows(logits, greedy))
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             tokens[idx] = self._sample(take_rows(logits, sampled), [rows[r] for r in sampled])
         token_ids = tokens.tolist()
         return token_ids, _logprobs(raw_logprobs, token_ids, rows)
+
+    def _argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._cpu_kernels is not None and self._cpu_kernels.usable(logits):
+            return self._cpu_kernels.argmax(logits)
+        return logits.argmax(dim=-1)
 
     def sample(
         self, logits: torch.Tensor, rows: list[SampleRow]

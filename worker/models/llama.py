@@ -5,6 +5,10 @@ one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused
 Every op mirrors transformers' order of operations so fp32 greedy outputs match it token for token.
 With a Shard of size N > 1 the layers are parallel.py's sharded ones; at N = 1 they are the plain
 ones, the single-device code path unchanged.
+
+On CPU in fp32 the runner hands the model native kernels (`cpu_kernels`, engine/cpu_native.py):
+the same layers then run their element-wise work fused (`_forward_fused`): the residual add folded
+into the next RMSNorm, q/k norm and rope in place in the qkv rows, SiLU x up in one pass.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.engine.attention import AttentionMetadata
+from worker.engine.cpu_native import CpuKernels
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear
 from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear,
@@ -93,14 +98,30 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self._heads(self.qkv_proj(x))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
+        return self._attend(q, k, v, kv_cache, meta)
+
+    def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
+                      kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                      ops: CpuKernels) -> torch.Tensor:
+        """forward's steps, with q/k norm and rope applied in place to the qkv rows."""
+        qkv = self.qkv_proj(x).contiguous()
+        if self.qk_norm:
+            ops.head_rmsnorm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
+            ops.head_rmsnorm_(qkv, self.q_size, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
+        ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
+        return self._attend(*self._heads(qkv), kv_cache, meta)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
+
+    def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
@@ -122,6 +143,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor, ops: CpuKernels) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -150,6 +174,8 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    cpu_kernels: CpuKernels | None = None  # set by the runner where they apply (fp32 on CPU)
+
     def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
         self.cfg = cfg
@@ -167,11 +193,28 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flattened batch."""
+        if self.cpu_kernels is not None:
+            return self._forward_fused(input_ids, positions, kv_caches, meta)
         h = self.model.embed_tokens(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)
         return self.model.norm(h)
+
+    def _forward_fused(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        """forward with native element-wise kernels: each residual add is fused into the RMSNorm
+        after it (the input norm of the next layer, the final norm after the last), in place on
+        the residual stream h."""
+        ops, layers = self.cpu_kernels, self.model.layers
+        h = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        table = self._rope_table_for(positions, h.dtype)
+        after_mlp = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
+        x = ops.add_rmsnorm(h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
+        for layer, kv_cache, norm in zip(layers, kv_caches, after_mlp):
+            attn = layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops)
+            x = ops.add_rmsnorm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
+            x = ops.add_rmsnorm(h, layer.mlp.forward_fused(x, ops), norm.weight, norm.eps)
+        return x
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] each. On CPU looked up in a table grown as positions grow (the same
@@ -179,14 +222,18 @@ class CausalLM(nn.Module):
         CUDA graphs can capture it)."""
         if positions.device.type != "cpu":
             return _rope(positions, self.inv_freq, dtype)
+        both = self._rope_table_for(positions, dtype).index_select(0, positions)
+        return both[:, :1], both[:, 1:]
+
+    def _rope_table_for(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[>= max position + 1, 2, head_dim]: cos and sin per position, grown by doubling."""
         need = int(positions.max()) + 1 if positions.numel() else 0
         table = self._rope_table
         if table is None or table.shape[0] < need or table.dtype != dtype:
             size = max(need, 2 * (table.shape[0] if table is not None else 512))
             cos, sin = _rope(torch.arange(size, device=positions.device), self.inv_freq, dtype)
             table = self._rope_table = torch.cat((cos, sin), dim=1)
-        both = table.index_select(0, positions)
-        return both[:, :1], both[:, 1:]
+        return table
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab]; under tensor parallelism only rank 0's are the whole rows."""

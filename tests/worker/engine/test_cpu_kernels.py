@@ -68,14 +68,16 @@ def test_an_unknown_kernel_is_refused_naming_the_choices(tmp_path):
         LinearKernel("mkl", "mkl")
 
 
-def test_the_native_decode_kernel_is_compiled_when_the_engine_is_built_not_by_a_request(case):
-    """Compiled by the first decode step, it made a fresh worker's first request ~0.2 s late."""
-    from worker.engine.torch_attention import _native_kernel
+def test_the_native_kernels_are_compiled_when_the_engine_is_built_not_by_a_request(case):
+    """Compiled by the first decode step, they made a fresh worker's first request ~0.2 s late."""
+    from worker.engine import cpu_native
 
     model_dir, prompts, expected = case
-    _native_kernel.cache_clear()
-    llm = LLM(model_dir)  # auto: torch attention with the native decode kernel on CPU, fp32
-    built = _native_kernel.cache_info()
+    cpu_native.load.cache_clear()
+    llm = LLM(model_dir)  # auto: torch attention with the native kernels on CPU, fp32
+    built = cpu_native.load.cache_info()
     assert built.misses == 1 and built.currsize == 1
+    runner = llm.engine.runner
+    assert runner.model.cpu_kernels is runner.cpu_kernels is not None  # the model's fused path is on
     assert [r.token_ids for r in llm.generate(prompts[:2], GREEDY)] == expected[:2]
-    assert _native_kernel.cache_info().misses == 1  # the decode steps compiled nothing
+    assert cpu_native.load.cache_info().misses == 1  # the decode steps compiled nothing

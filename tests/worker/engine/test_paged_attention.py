@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from worker.engine.attention import AttentionMetadata
-from worker.engine.torch_attention import TorchAttention, _native_kernel
+from worker.engine import cpu_native
+from worker.engine.torch_attention import TorchAttention
 
 torch.set_num_threads(1)
 
@@ -49,7 +50,7 @@ def batch(query_lens, seq_lens, hq=4, hkv=2, dim=8, bs=4, num_blocks=64, seed=0)
     ([3, 1, 9, 1], [3, 22, 13, 7]),  # prefill from scratch, chunk over a cached prefix, decodes
 ])
 def test_matches_naive_attention(native, query_lens, seq_lens):
-    if native and _native_kernel(8) is None:
+    if native and cpu_native.load(8) is None:
         pytest.skip("no C compiler here")
     query, k_cache, v_cache, meta, contiguous = batch(query_lens, seq_lens)
     out = TorchAttention(native_decode=native).attend(query, k_cache, v_cache, meta, 0.3)

@@ -1,0 +1,114 @@
+"""The native fp32 CPU kernels (cpu_native.py) against the torch ops they replace, one by one, and
+the model's fused forward against its torch forward on the three architectures: rope is
+bit-identical, the norms and SiLU within float rounding, argmax is torch's answer (first NaN, else
+first maximum), and the engine stays token-exact with transformers' greedy."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine import cpu_native
+from worker.engine.llm import LLM
+from worker.engine.types import SamplingParams
+from worker.models.llama import RMSNorm, _rotate_half
+
+HEAD_DIM = 16
+
+
+@pytest.fixture(scope="module")
+def ops():
+    kernels = cpu_native.load(HEAD_DIM)
+    if kernels is None:
+        pytest.fail("no C compiler: the native kernels cannot be built here")  # CI has one
+    return kernels
+
+
+def norm_of(dim: int, seed: int) -> RMSNorm:
+    norm = RMSNorm(dim, 1e-2)  # large enough that a wrong eps shows
+    norm.weight.data = torch.randn(dim, generator=torch.Generator().manual_seed(seed))
+    return norm
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_add_rmsnorm_updates_the_residual_and_normalises_it(ops, rows):
+    g = torch.Generator().manual_seed(rows)
+    h, delta, norm = torch.randn(rows, 96, generator=g), torch.randn(rows, 96, generator=g), norm_of(96, rows)
+    expected_h = h + delta
+    out = ops.add_rmsnorm(h, delta, norm.weight, norm.eps)
+    assert torch.equal(h, expected_h)  # in place, the same sums as torch's
+    torch.testing.assert_close(out, norm(expected_h), rtol=1e-6, atol=1e-6)
+    alone = ops.add_rmsnorm(h.clone(), None, norm.weight, norm.eps)
+    torch.testing.assert_close(alone, norm(h), rtol=1e-6, atol=1e-6)
+
+
+def test_head_rmsnorm_normalises_only_the_heads_named(ops):
+    g = torch.Generator().manual_seed(1)
+    qkv = torch.randn(5, 6 * HEAD_DIM, generator=g)
+    before, norm = qkv.clone(), norm_of(HEAD_DIM, 2)
+    ops.head_rmsnorm_(qkv, 2 * HEAD_DIM, 3, norm.weight, norm.eps)  # heads 2, 3, 4
+    heads = before.view(5, 6, HEAD_DIM)
+    torch.testing.assert_close(qkv.view(5, 6, HEAD_DIM)[:, 2:5], norm(heads[:, 2:5]), rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv.view(5, 6, HEAD_DIM)[:, [0, 1, 5]], heads[:, [0, 1, 5]])
+
+
+def test_rope_is_bit_identical_to_torch_and_leaves_v_alone(ops):
+    g = torch.Generator().manual_seed(3)
+    positions = torch.tensor([0, 5, 17, 2, 300])
+    angles = torch.arange(400).float()[:, None] * torch.rand(HEAD_DIM // 2, generator=g)[None]
+    emb = torch.cat((angles, angles), dim=-1)
+    table = torch.stack((emb.cos(), emb.sin()), dim=1).contiguous()  # [positions, 2, head_dim]
+    q_heads, k_heads, v_heads = 4, 2, 2
+    qkv = torch.randn(5, (q_heads + k_heads + v_heads) * HEAD_DIM, generator=g)
+    heads = qkv.clone().view(5, -1, HEAD_DIM)
+    cos, sin = table[positions, :1], table[positions, 1:]
+    ops.rope_(qkv, positions, table, q_heads + k_heads)
+    rotated = heads[:, :q_heads + k_heads]
+    assert torch.equal(qkv.view(5, -1, HEAD_DIM)[:, :q_heads + k_heads], rotated * cos + _rotate_half(rotated) * sin)
+    assert torch.equal(qkv.view(5, -1, HEAD_DIM)[:, q_heads + k_heads:], heads[:, q_heads + k_heads:])
+
+
+def test_silu_mul_matches_torch(ops):
+    gate_up = torch.randn(9, 2 * 200, generator=torch.Generator().manual_seed(4)) * 6
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_argmax_is_torchs_answer_on_ties_nans_and_infinities(ops):
+    x = torch.randn(8, 1000, generator=torch.Generator().manual_seed(5))
+    x[1, 10] = x[1, 900] = 50.0  # a tie: the first
+    x[2, 300], x[2, 7] = float("nan"), 99.0  # a NaN wins, wherever the maximum is
+    x[3, 20], x[3, 10] = float("nan"), float("nan")  # the first NaN
+    x[4] = float("-inf")  # nothing above -inf: index 0
+    x[5, 999] = float("inf")
+    x[6, 0] = 1e30
+    assert torch.equal(ops.argmax(x), x.argmax(dim=-1))
+    assert torch.equal(ops.argmax(x[:, :1]), torch.zeros(8, dtype=torch.int64))
+    wide = torch.randn(3, 32000)
+    assert torch.equal(ops.argmax(wide[:, ::2]), wide[:, ::2].argmax(dim=-1))  # a strided view too
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_the_fused_forward_matches_the_torch_forward_and_transformers_greedy(build_tiny, random_prompts,
+                                                                             hf_greedy, arch):
+    """Llama (the tiny models have GQA), Qwen2 (q/k/v biases), Qwen3 (per-head q/k RMSNorm): the engine with the
+    native kernels is token-exact with transformers; its logits are the torch forward's within
+    float rounding on a batch mixing prefills and decodes."""
+    model_dir = build_tiny(f"native-{arch}", arch)
+    prompts = random_prompts(5, 3, 40, seed=11)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    llm = LLM(model_dir)
+    runner = llm.engine.runner
+    assert runner.model.cpu_kernels is not None
+    assert [r.token_ids for r in llm.generate(prompts, params)] == hf_greedy(model_dir, prompts, 12)
+    fused, reference = [], []
+    for kernels, out in ((runner.cpu_kernels, fused), (None, reference)):
+        runner.model.cpu_kernels = kernels
+        runner.sampler._cpu_kernels = kernels
+        seen = []
+        forward = runner.model.forward
+        runner.model.forward = lambda *a, _f=forward, _s=seen: _s.append(_f(*a)) or _s[-1]
+        llm.generate(prompts, params)
+        del runner.model.forward
+        out.extend(seen)
+    assert len(fused) == len(reference) > 1
+    for a, b in zip(fused, reference):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
