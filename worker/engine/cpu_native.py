@@ -37,7 +37,8 @@ _FAST_C = r"""
    HEAD_DIM is fixed at compile time so the inner loops unroll into a few vector FMAs. */
 #define KV_HEAD(h) (G == 1 ? (h) : (h) / G) /* no integer division per token and head without GQA */
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
-                      float* out, int B, int Hq, int Hkv, int bs, int bt_stride, float scale, int nthreads) {
+                      float* out, int B, int Hq, int Hkv, int bs, int bt_stride, int q_stride, float scale,
+                      int nthreads) {
   const int G = Hq / Hkv;
   const size_t row_len = (size_t)Hkv * HEAD_DIM, block_len = row_len * bs;
   #pragma omp parallel num_threads(nthreads)
@@ -47,7 +48,7 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
     for (int b = 0; b < B; b++) {
       const int L = lens[b];
       if (L * Hq > cap) { free(sc); cap = L * Hq; sc = (float*)malloc(sizeof(float) * cap); }
-      const float* qb = q + (size_t)b * Hq * HEAD_DIM;
+      const float* qb = q + (size_t)b * q_stride;
       const int* row = bt + (size_t)b * bt_stride;
       for (int t0 = 0; t0 < L; t0 += bs) {
         const float* k = kc + (size_t)row[t0 / bs] * block_len;
@@ -102,6 +103,7 @@ _EXACT_C = r"""
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 /* Rows of x (row stride ld): out = w * (x * (1 / sqrt(mean(x^2) + eps))), torch's RMSNorm order.
    With delta, x += delta first, in place: the residual stream, which the next layer reads. */
 void add_rmsnorm_f32(float* x, const float* delta, const float* w, float* out, int rows, int dim,
@@ -156,6 +158,20 @@ void rope_f32(float* x, const int64_t* pos, const float* table, int rows, int ld
     }
   }
 }
+/* Rows t of k and v (row strides k_ld, v_ld; row_len floats: every KV head) copied to cache slot
+   slots[t]. A slot outside [0, num_slots) is never written: it is counted, and the caller raises. */
+int write_kv_f32(float* kc, float* vc, const float* k, const float* v, const int64_t* slots, int T,
+                 int k_ld, int v_ld, int row_len, int64_t num_slots, int nthreads) {
+  int bad = 0;
+  #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+:bad) if (T > 256)
+  for (int t = 0; t < T; t++) {
+    const int64_t slot = slots[t];
+    if (slot < 0 || slot >= num_slots) { bad++; continue; }
+    memcpy(kc + slot * row_len, k + (size_t)t * k_ld, sizeof(float) * row_len);
+    memcpy(vc + slot * row_len, v + (size_t)t * v_ld, sizeof(float) * row_len);
+  }
+  return bad;
+}
 /* Per row: the first NaN if there is one, else the first maximum (torch.argmax's answer). */
 void argmax_f32(const float* x, int rows, int cols, int64_t* out, int nthreads) {
   #pragma omp parallel for num_threads(nthreads) schedule(static)
@@ -185,16 +201,33 @@ class CpuKernels:
 
     def paged_decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; the caches contiguous [blocks, block_size, Hkv, D]."""
-        batch, num_heads, _ = query.shape
+        batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
-        q = query.contiguous()
+        q = query if _rows_of(query, num_heads * dim) else query.contiguous()  # q heads of qkv rows: as they are
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(query.shape, dtype=query.dtype)
         self.lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, block_size,
-                                  tables.shape[1], scale, torch.get_num_threads())
+                                  tables.shape[1], q.stride(0), scale, torch.get_num_threads())
         return out
+
+    def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> bool:
+        """key/value [T, Hkv, D] into their slots of the contiguous caches; False (nothing written)
+        where the layout does not fit, for the caller's torch path."""
+        heads, dim = k_cache.shape[2:]
+        row_len = heads * dim
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous() and _rows_of(key, row_len)
+                and _rows_of(value, row_len) and key.shape[0] == value.shape[0] == slot_mapping.numel()):
+            return False
+        slots = slot_mapping.to(torch.int64).contiguous()
+        num_slots = k_cache.numel() // row_len
+        bad = self.lib.write_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
+                                    slots.data_ptr(), key.shape[0], key.stride(0), value.stride(0), row_len,
+                                    num_slots, torch.get_num_threads())
+        if bad:
+            raise IndexError(f"{bad} KV slot(s) outside the cache's {num_slots}: nothing written there")
+        return True
 
     def add_rmsnorm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                     eps: float) -> torch.Tensor:
@@ -240,9 +273,16 @@ class CpuKernels:
         return out
 
 
+def _rows_of(t: torch.Tensor, width: int) -> bool:
+    """[T, heads, dim] whose rows are `width` contiguous floats each (any row stride): a view of
+    the q, k or v heads in qkv rows, as the kernels read them."""
+    return t.dim() == 3 and t.shape[1] * t.shape[2] == width and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+
+
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 6 + [_I] * 5 + [_F, _I],
+    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I],
+    "write_kv_f32": [_P] * 5 + [_I] * 4 + [ctypes.c_int64, _I],
     "add_rmsnorm_f32": [_P] * 4 + [_I, _I, _F, _I],
     "head_rmsnorm_f32": [_P, _P] + [_I] * 5 + [_F, _I],
     "rope_f32": [_P] * 3 + [_I] * 5,
@@ -283,5 +323,5 @@ def load(head_dim: int) -> CpuKernels | None:
         shutil.rmtree(out, ignore_errors=True)  # a loaded library no longer needs its file
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = None, argtypes
+        fn.restype, fn.argtypes = (ctypes.c_int if name == "write_kv_f32" else None), argtypes
     return CpuKernels(lib, head_dim)

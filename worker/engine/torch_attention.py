@@ -34,6 +34,10 @@ class TorchAttention:
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor,
                  value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        kernels = self.kernels
+        if kernels is not None and kernels.usable(key, value, k_cache, v_cache) \
+                and kernels.write_kv(k_cache, v_cache, key, value, slot_mapping):
+            return
         heads, dim = k_cache.shape[2:]
         k_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, key)
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value)

@@ -112,3 +112,31 @@ def test_the_fused_forward_matches_the_torch_forward_and_transformers_greedy(bui
     assert len(fused) == len(reference) > 1
     for a, b in zip(fused, reference):
         torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_write_kv_fills_the_slots_torch_would_and_refuses_a_slot_outside_the_cache(ops):
+    g = torch.Generator().manual_seed(6)
+    blocks, block_size, heads = 4, 4, 2
+    qkv = torch.randn(5, 3 * heads * HEAD_DIM, generator=g)  # k and v as views of qkv rows
+    k = qkv[:, heads * HEAD_DIM:2 * heads * HEAD_DIM].view(5, heads, HEAD_DIM)
+    v = qkv[:, 2 * heads * HEAD_DIM:].view(5, heads, HEAD_DIM)
+    slots = torch.tensor([0, 5, 6, 15, 9])
+    caches = [torch.zeros(blocks, block_size, heads, HEAD_DIM) for _ in range(4)]
+    assert ops.write_kv(caches[0], caches[1], k, v, slots)
+    caches[2].view(-1, heads, HEAD_DIM).index_copy_(0, slots, k)
+    caches[3].view(-1, heads, HEAD_DIM).index_copy_(0, slots, v)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(IndexError, match="1 KV slot"):
+        ops.write_kv(caches[0], caches[1], k, v, torch.tensor([0, 5, 16, 15, 9]))
+
+
+def test_paged_decode_reads_query_heads_in_place_from_qkv_rows(ops):
+    g = torch.Generator().manual_seed(7)
+    heads, kv_heads, block_size = 4, 2, 4
+    k_cache, v_cache = (torch.randn(6, block_size, kv_heads, HEAD_DIM, generator=g) for _ in range(2))
+    tables, lens = torch.tensor([[0, 2, 4], [1, 3, 5]]), torch.tensor([9, 12])
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * HEAD_DIM, generator=g)
+    q = qkv[:, :heads * HEAD_DIM].view(2, heads, HEAD_DIM)
+    assert not q.is_contiguous()
+    assert torch.equal(ops.paged_decode(q, k_cache, v_cache, tables, lens, 0.25),
+                       ops.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, 0.25))
