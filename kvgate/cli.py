@@ -99,7 +99,7 @@ def demo_model(directory: str) -> None:
 @click.option("--prefix-caching/--no-prefix-caching", "enable_prefix_caching", default=None,
               help="Reuse KV blocks of shared prefixes [default: on]")
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]), default=None,
-              help="auto: triton on CUDA, torch on CPU [default: auto]")
+              help="auto: triton on CUDA, torch with native fp32 kernels on CPU [default: auto]")
 @click.option("--cpu-linear-kernel", type=click.Choice(["auto", "onednn", "aten", "onednn_t", "aten_t"]),
               default=None, help="The linears' GEMM path on CPU [default: auto, timed at load]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")

@@ -207,8 +207,8 @@ class WorkerSettings(CommonSettings):
     torch_threads: int | None = Field(None, ge=1, description="Torch intra-op threads on CPU "
                                       "(default: torch's, one per core; `kvgate up` gives the "
                                       "worker half the cores, shared with gateway, Redis, Celery)")
-    attention_backend: str = Field("auto", description="auto (triton on CUDA, torch on CPU), torch "
-                                   "or triton")
+    attention_backend: str = Field("auto", description="auto (triton on CUDA; on CPU torch with the "
+                                   "native fp32 kernels, docs/engine.md), torch (pure torch) or triton")
     cpu_linear_kernel: str = Field("auto", description="The linears' GEMM path on CPU: auto "
                                    "(oneDNN or MKL, row-major or transposed weights: timed at load "
                                    "on the model's shapes, fp32 on CPU) or one of onednn, aten, "
