@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -200,6 +202,7 @@ def run_bench(quick: bool = False, out_json: str | None = "docs/perf/programs.js
     model = Path(model_dir) if model_dir else _model(tmp, quick)
     tokenizer = load_tokenizer(model)
     procs = Processes(tmp / "logs")
+    finished = False
     try:
         with ThreadPoolExecutor(3) as pool:  # the three start side by side
             started = {way: pool.submit(Stack, procs, name, model, caching)
@@ -223,8 +226,13 @@ def run_bench(quick: bool = False, out_json: str | None = "docs/perf/programs.js
                                         "speedup_vs_naive": round(rows["naive"]["wall_s"] / rows["program_cached"]["wall_s"], 2),
                                         "speedup_vs_uncached": round(rows["program_uncached"]["wall_s"] / rows["program_cached"]["wall_s"], 2)}
             _write(report, out_json)  # each program as it ends: a long run keeps what it measured
+        finished = True
     finally:
         procs.stop_all()
+        if finished:  # the stacks' logs (and a model built for the run) are only worth keeping after a failure
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"kvgate bench programs: the stacks' logs are kept in {tmp / 'logs'}", file=sys.stderr)
     print(format_table(report))
     return report
 

@@ -3,6 +3,7 @@ names the issue fixes, and prefix caching computes fewer prompt tokens than no c
 from __future__ import annotations
 
 import json
+import tempfile
 
 import pytest
 
@@ -12,9 +13,13 @@ SMOKE = Sizes(branch=2, depth=1, thought_tokens=2, doc_tokens=60, questions=2, c
 
 
 @pytest.mark.timeout(900)  # three `kvgate up` stacks and settled hit counters: minutes on a loaded 2-core machine
-def test_programs_bench_smoke(tmp_path, tiny_model_dir):
+def test_programs_bench_smoke(tmp_path, tiny_model_dir, monkeypatch):
     out = tmp_path / "programs.json"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))  # where the bench makes its folder
     report = run_bench(quick=True, out_json=str(out), model_dir=str(tiny_model_dir), sizes=SMOKE)
+    assert list(scratch.iterdir()) == []  # a finished run leaves no logs folder behind
     written = json.loads(out.read_text())
     assert set(written["figures"]) == {"programs.tot_vs_naive", "programs.extract_vs_naive",
                                        "programs.select_vs_naive"}
