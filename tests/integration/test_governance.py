@@ -61,7 +61,7 @@ def _start_second_gateway(stack: Stack, admin_key: str) -> tuple[subprocess.Pope
     port = _free_port()
     env = {**os.environ, "KVGATE_SECRET": (stack.state / "server.secret").read_text().strip(),
            "KVGATE_API_KEY": stack.key, "KVGATE_ADMIN_KEY": admin_key, **THROTTLE_ENV,
-           **STREAM_AT_ONCE}
+           **STREAM_AT_ONCE, "PROMETHEUS_MULTIPROC_DIR": str(stack.state / "metrics-gateway2")}
     log = open(stack.state / "gateway2.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "kvgate", "gateway", "--port", str(port),
                              "--redis-url", stack.redis_url], env=env, stdout=log,

@@ -37,9 +37,11 @@ class Gateways:
         for i in range(count):
             port = free_port()
             log = open(root / f"gateway{i}.log", "ab")
+            # its metrics folder under the test's own: a killed gateway cannot remove one in /tmp
+            metrics = {"PROMETHEUS_MULTIPROC_DIR": str(root / f"metrics{i}")}
             self.procs.append(subprocess.Popen(
                 [sys.executable, "-m", "kvgate", "gateway", "--port", str(port), "--redis-url",
-                 self.redis.url], stdout=log, stderr=subprocess.STDOUT, env=env,
+                 self.redis.url], stdout=log, stderr=subprocess.STDOUT, env={**env, **metrics},
                 start_new_session=True))
             self.urls.append(f"http://127.0.0.1:{port}")
         for proc, url in zip(self.procs, self.urls):
