@@ -16,7 +16,7 @@ from starlette.background import BackgroundTask
 from gateway import client_wait, resume
 from gateway.admission import Lease
 from gateway.dispatch import KEEPALIVE, Lookahead
-from gateway.openai_api import SSE_HEADERS, Answer, Call, first_reply_held
+from gateway.openai_api import SSE_HEADERS, Answer, Call, first_reply_held, sse_data
 from gateway.schemas import ChatCompletionRequest
 from gateway.state import GatewayState
 from shared import protocol
@@ -144,6 +144,6 @@ def _tagged(events: list[bytes], request_id: str, seq: int) -> bytes:
     return b"".join(events[:-1]) + resume.event_id(request_id, seq) + events[-1]
 
 
-def sse(event: str, data: bytes) -> bytes:
+def sse(event: str, obj: Any) -> bytes:
     """A named server-sent event (both APIs name theirs: `event: <type>`)."""
-    return b"event: " + event.encode() + b"\ndata: " + data + b"\n\n"
+    return b"event: " + event.encode() + b"\ndata: " + sse_data(obj) + b"\n\n"

@@ -54,7 +54,7 @@ class MessageRender:
     # -- the stream -----------------------------------------------------------------------------
     @staticmethod
     def _event(kind: str, **fields) -> bytes:
-        return sse(kind, orjson.dumps({"type": kind, **fields}))
+        return sse(kind, {"type": kind, **fields})
 
     def start(self) -> list[bytes]:
         return [self._event("message_start", message=self.result(content=False)), self.keepalive()]
@@ -73,7 +73,7 @@ class MessageRender:
     def error(self, exc: KvgateError) -> list[bytes]:
         closing = [self._write(event) for event in self.items.close()]
         body = anthropic_shape.error_body(exc.status, exc.message)
-        return [*closing, sse("error", orjson.dumps(body))]
+        return [*closing, sse("error", body)]
 
     def _write(self, event: Event) -> bytes:
         item = event.item

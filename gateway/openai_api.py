@@ -585,8 +585,23 @@ async def _collect(replies: AsyncIterator, shape: _Shape) -> dict:
     raise AssertionError("reply stream ended without done")  # pragma: no cover
 
 
+# JSON allows U+0085, U+2028 and U+2029 raw in strings (orjson leaves them so), but line splitters
+# built on str.splitlines (httpx's aiter_lines, many hand-written SSE clients) break a data line at
+# them: a model that generates one would cut its event in two for such a client.
+_LINE_BREAKS = ((b"\xc2\x85", b"\\u0085"), (b"\xe2\x80\xa8", b"\\u2028"), (b"\xe2\x80\xa9", b"\\u2029"))
+
+
+def sse_data(obj: Any) -> bytes:
+    """obj as JSON for an event's one data line: orjson's, with those three escaped (the same JSON)."""
+    data = orjson.dumps(obj)
+    if not data.isascii():
+        for raw, escaped in _LINE_BREAKS:
+            data = data.replace(raw, escaped)
+    return data
+
+
 def _event(obj: Any, event_id: bytes = b"") -> bytes:
-    return event_id + b"data: " + orjson.dumps(obj) + b"\n\n"
+    return event_id + b"data: " + sse_data(obj) + b"\n\n"
 
 
 async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usage: bool,

@@ -8,8 +8,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import orjson
-
 from gateway.answer_io import sse
 from gateway.answer_items import Append, Close, Event, Item, Items, Open
 from gateway.responses_schemas import ResponsesRequest
@@ -85,7 +83,7 @@ class ResponseRender:
     # -- the stream -----------------------------------------------------------------------------
     def _event(self, kind: str, **fields) -> bytes:
         self.seq += 1
-        return sse(kind, orjson.dumps({"type": kind, "sequence_number": self.seq - 1, **fields}))
+        return sse(kind, {"type": kind, "sequence_number": self.seq - 1, **fields})
 
     def start(self) -> list[bytes]:
         return [self._event("response.created", response=self.result()),
