@@ -63,7 +63,7 @@ class TorchAttention:
 
     def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; GQA groups ride along as extra query rows per KV head."""
-        kernels = cpu_native.load(query.shape[-1]) if self.native_decode else None
+        kernels = self.kernels
         if kernels is not None and kernels.usable(query, k_cache, v_cache) and k_cache.is_contiguous() \
                 and v_cache.is_contiguous():
             return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)

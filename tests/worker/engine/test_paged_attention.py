@@ -53,7 +53,10 @@ def test_matches_naive_attention(native, query_lens, seq_lens):
     if native and cpu_native.load(8) is None:
         pytest.skip("no C compiler here")
     query, k_cache, v_cache, meta, contiguous = batch(query_lens, seq_lens)
-    out = TorchAttention(native_decode=native).attend(query, k_cache, v_cache, meta, 0.3)
+    backend = TorchAttention(native_decode=native)
+    backend.prepare(query.shape[-1], query.dtype, query.device)  # where the native kernels are obtained
+    assert (backend.kernels is not None) == native
+    out = backend.attend(query, k_cache, v_cache, meta, 0.3)
     starts = meta.query_start_loc.tolist()
     for b, (k, v) in enumerate(contiguous):
         q = query[starts[b]:starts[b + 1]]
