@@ -231,6 +231,10 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
         stack.spawn("gateway", ["gateway", "--port", str(port), "--workers", str(gateway_workers)],
                     {**env, "KVGATE_API_KEY": key, "KVGATE_ADMIN_KEY": admin_key,
                      "KVGATE_SECRET": server_secret(state),
+                     # in the state folder: a gateway killed and restarted reuses it (emptied at its
+                     # start) rather than leaving a folder of its own in /tmp each time
+                     "PROMETHEUS_MULTIPROC_DIR": os.environ.get("PROMETHEUS_MULTIPROC_DIR",
+                                                                str(state / "gateway-metrics")),
                      **tls_env(certs, "KVGATE_SSL_CERTFILE", "KVGATE_SSL_KEYFILE")})
         url = f"{'https' if certs else 'http'}://127.0.0.1:{port}"
         # Celery's batch lines go through the gateway: with TLS, trusting the development CA

@@ -38,7 +38,8 @@ def _stack(tmp_path: Path, model_dir: Path, redis_env: dict):
     """A worker and a gateway on the Redis `redis_env` names (Celery's broker on one of its own)."""
     broker = RedisServer().start()
     env = {**os.environ, **redis_env, "KVGATE_BROKER_URL": broker.url, "KVGATE_HEARTBEAT_S": "0.3",
-           "KVGATE_ADMIN_KEY": ADMIN, "KVGATE_SECRET": "failover-secret", "KVGATE_ADMISSION_WAIT_S": "0"}
+           "KVGATE_ADMIN_KEY": ADMIN, "KVGATE_SECRET": "failover-secret", "KVGATE_ADMISSION_WAIT_S": "0",
+           "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")}  # the gateway is killed: not one in /tmp
     procs = {}
     for name, args in (("worker", ["worker", "--model", str(model_dir), "--served-name", "demo"]),
                        ("gateway", ["gateway", "--port", str(port := free_port())])):

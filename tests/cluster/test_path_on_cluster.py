@@ -83,7 +83,9 @@ def stack(tmp_path_factory, tiny_model_dir: Path):
     urls = []
     for i in range(2):
         port = free_port()
-        gateway = spawn(f"gateway{i}", "gateway", "--port", str(port))
+        # killed at the end, so each keeps its metrics folder here rather than one of its own in /tmp
+        gateway = spawn(f"gateway{i}", "gateway", "--port", str(port),
+                        PROMETHEUS_MULTIPROC_DIR=str(logs / f"metrics-gateway{i}"))
         urls.append(f"http://127.0.0.1:{port}")
         _wait_for_model(urls[-1], gateway, logs / f"gateway{i}.log")
     client = RedisCluster.from_url(servers.url)

@@ -84,8 +84,13 @@ def test_up_restarts_what_dies_and_its_redis_wants_the_password(tiny_model_dir, 
                "a new worker to register")
         _until(lambda: _served(stack.url, stack.key), 60, "a request served by the new worker")
 
-        _kill(state, "gateway")
+        old_gateway = _pid(state, "gateway")
+        new_gateway = _kill(state, "gateway")
         _until(lambda: _served(stack.url, stack.key), 60, "the new gateway to serve")
+        # its metrics folder is the state folder's, emptied by the new gateway (none left in /tmp)
+        files = [p.name for p in (state / "gateway-metrics").glob("*.db")]
+        assert any(name.endswith(f"_{new_gateway}.db") for name in files), files
+        assert not any(name.endswith(f"_{old_gateway}.db") for name in files), files
 
         celery = _kill(state, "celery-worker")
         _until(lambda: _task_ran_in(state / "celery-worker.log", celery), 60,
