@@ -7,6 +7,12 @@ and arrival (or, when the worker sets `waiting_order`, by priority, that order, 
 their prompts cut into chunks that fit the budget, so prefill and decode share a step.
 A prompt whose next uncached prefix block another prompt is prefilling waits until that one has
 written it (fork branches sent together share their prefix's KV instead of each computing it).
+Long prompts (more uncomputed tokens than half the budget) are prefilled one at a time within a
+priority: while one is mid-prefill, a waiting long prompt is passed over and the short prompts
+behind it are admitted (vLLM's `max_long_partial_prefills` of 1); the running prompts' chunks
+together take at most half the budget while a short prompt waits. So a short prompt arriving
+behind a burst of long ones waits about one step, not for all of their prefills; the long prompts
+keep their order among themselves and the full budget whenever no short prompt waits.
 Prompts are prefilled strictly by priority: a step that prefills some prompt leaves out the chunks
 of worse-priority prompts (batch lines), so they never lengthen the step that produces a better
 prompt's first token; their decodes, one token each, still run. When blocks run out, the
@@ -59,19 +65,22 @@ class Scheduler:
         # chunks by priority, waiting prompts that outrank a running chunk admitted before it.
         decodes = sorted((s for s in self.running if _remaining(s) == 1), key=lambda s: s.priority_key)
         chunks = sorted((s for s in self.running if _remaining(s) > 1), key=lambda s: s.priority_key)
+        plan.chunk_room = self._chunk_room()
         for seq in decodes + chunks:
             if plan.budget == 0:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            if _remaining(seq) > 1:
+            chunk = _remaining(seq) > 1
+            if chunk:
                 if self.num_preemptions == preemptions:
                     self._admit(plan, outranking=seq.params.priority)
                 if plan.outranks(seq):
                     break  # chunks are sorted: the rest are outranked too
-            num_new = min(_remaining(seq), plan.budget, self._chunk_cap())
+            num_new = min(_remaining(seq), plan.budget, plan.chunk_room if chunk else 1)
             if num_new and self._allocate_or_preempt(seq, num_new, plan.batch):
                 plan.add(seq, num_new)
+                plan.chunk_room -= num_new if chunk else 0
         if self.num_preemptions == preemptions:  # admitting while evicting would only thrash
             self._admit(plan)
         self.yielded.clear()  # the slots went to the entries they were yielded to
@@ -84,9 +93,19 @@ class Scheduler:
             order = self.waiting_order
             self.waiting.sort(key=lambda s: (s.params.priority, order(s.request_id), s.seq_id))
 
-    def _chunk_cap(self) -> int:
-        """A long prefill leaves half the budget to waiting prompts, so it never starves short ones."""
-        return self.max_num_batched_tokens // 2 if self.waiting else self.max_num_batched_tokens
+    def _chunk_room(self) -> int:
+        """Tokens the running prompts' chunks may take this step: half the budget while a short
+        prompt waits with a slot free for it (so it starts now), else all of it."""
+        if len(self.running) < self.max_num_seqs and any(not self._is_long(_remaining(s)) for s in self.waiting):
+            return max(1, self.max_num_batched_tokens // 2)
+        return self.max_num_batched_tokens
+
+    def _is_long(self, uncomputed: int) -> bool:
+        return uncomputed > self.max_num_batched_tokens // 2
+
+    def _long_in_prefill(self, priority: int) -> bool:
+        """A long prompt of this priority or a better one is mid-prefill (beyond this step's chunk)."""
+        return any(s.params.priority <= priority and self._is_long(_remaining(s)) for s in self.running)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         scheduled = {s.seq_id for s, _ in batch}
@@ -102,7 +121,7 @@ class Scheduler:
         given) while budget, sequence slots and blocks last. A prompt whose next uncached block a
         running prompt is still prefilling waits for it (it would compute the same blocks again,
         chasing the other chunk by chunk) and the prompts behind it go on; one that yielded its
-        slot this step waits too."""
+        slot this step waits too, and so does a long prompt while another long one is mid-prefill."""
         skipped, prefilling = set(self.yielded), None
         while self.waiting and plan.budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0] if not skipped else next(
@@ -116,6 +135,9 @@ class Scheduler:
                 skipped.add(seq.seq_id)
                 continue
             num_cached = len(hits) * self.pool.block_size
+            if self._is_long(seq.num_tokens - num_cached) and self._long_in_prefill(seq.params.priority):
+                skipped.add(seq.seq_id)
+                continue
             num_new = min(seq.num_tokens - num_cached, plan.budget)
             if not self.pool.allocate(seq, num_new, hits):
                 break
@@ -185,6 +207,7 @@ class _Plan:
 
     def __init__(self, budget: int):
         self.budget = budget
+        self.chunk_room = budget  # what running prompts' chunks may still take (Scheduler._chunk_room)
         self.batch: ScheduledBatch = []
         self.prefill_priority: int | None = None
 

@@ -118,7 +118,7 @@ def test_a_worse_priority_prompt_goes_on_when_the_better_one_cannot_be_admitted(
     batch_line = add(sched, 40, priority=1000)
     step(sched)
     prompt = add(sched, 6)  # no sequence slot until the batch line is done: it must not stall
-    assert step(sched) == {batch_line.seq_id: 8}
+    assert step(sched) == {batch_line.seq_id: 16}  # nor be kept half the budget it cannot use
     while batch_line.status != SequenceStatus.FINISHED:
         step(sched)
     assert step(sched) == {prompt.seq_id: 6}
@@ -203,9 +203,11 @@ def test_a_prompt_waits_for_the_blocks_another_is_prefilling_and_those_behind_it
     short = add(sched, 6)
     assert step(sched) == {first.seq_id: 12, short.seq_id: 6}  # the second waits, the short goes on
     assert second.status == SequenceStatus.WAITING
-    assert second.seq_id not in step(sched)  # still behind: blocks 12-14 are not written yet
+    # only a long prompt waits now, so the first's chunk takes the budget the short's decode leaves
+    assert step(sched) == {short.seq_id: 1, first.seq_id: 23}
+    assert second.status == SequenceStatus.WAITING  # still behind: the last block is not written yet
     computed = step(sched)
-    assert computed[first.seq_id] == 12 and computed[second.seq_id] == 4  # 56 tokens from the cache
+    assert computed[first.seq_id] == 1 and computed[second.seq_id] == 4  # 56 tokens from the cache
     assert second.num_computed_tokens == 60
 
 
@@ -213,5 +215,52 @@ def test_a_prompt_that_shares_nothing_in_prefill_is_not_held():
     sched = make(num_blocks=64, block_size=4, budget=24)
     first = add(sched, 60)
     step(sched)
-    other = add(sched, 20)
-    assert step(sched)[other.seq_id] == 12  # admitted at once, beside the first's chunk
+    other = add(sched, 10)
+    assert step(sched) == {first.seq_id: 12, other.seq_id: 10}  # admitted at once, beside the first's chunk
+
+
+def test_a_short_prompt_behind_a_burst_of_long_ones_starts_at_once():
+    """Three long prompts (over half the budget each) then a short one: the longs are prefilled one
+    at a time, so the short starts in the next step instead of after their prefills (with all three
+    admitted in turn, their chunks took the whole budget until the first had finished)."""
+    sched = make(num_blocks=256, budget=16)
+    longs = [add(sched, 40) for _ in range(3)]
+    assert step(sched) == {longs[0].seq_id: 16}  # only long prompts wait: the first takes it all
+    short = add(sched, 5)
+    assert step(sched) == {longs[0].seq_id: 8, short.seq_id: 5}
+    assert all(s.status == SequenceStatus.WAITING for s in longs[1:])
+
+
+def test_long_prompts_keep_their_order_and_the_whole_budget():
+    sched = make(num_blocks=256, budget=16)
+    longs = [add(sched, 40) for _ in range(3)]
+    started = []
+    while any(not s.output_ids for s in longs):
+        scheduled = step(sched)
+        prefilling = [s for s in longs if s.seq_id in scheduled and scheduled[s.seq_id] > 1]
+        assert len(prefilling) <= 2  # one mid-prefill, and the next only where the first ends
+        assert sum(scheduled.values()) == 16 or not any(s.status == SequenceStatus.WAITING for s in longs)
+        started += [s.seq_id for s in longs if s.output_ids and s.seq_id not in started]
+    assert started == [s.seq_id for s in longs]
+
+
+def test_a_better_priority_long_prompt_is_not_held_by_a_worse_one_in_prefill():
+    sched = make(num_blocks=256, budget=16)
+    batch_line = add(sched, 60, priority=1000)
+    step(sched)
+    urgent = add(sched, 40, priority=0)
+    assert step(sched) == {urgent.seq_id: 16}  # and the batch line's chunk is left out
+
+
+def test_at_most_one_long_prompt_per_priority_is_mid_prefill_under_random_load():
+    rng = random.Random(11)
+    sched = make(num_blocks=200, block_size=4, budget=12, max_seqs=6)
+    seqs = [add(sched, rng.randint(1, 40), rng.randint(0, 1), rng.randint(1, 6)) for _ in range(40)]
+    for _ in range(3000):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+        for priority in (0, 1):
+            assert sum(1 for s in sched.running if s.params.priority == priority
+                       and s.num_tokens - s.num_computed_tokens > 6) <= 1
+    assert all(s.is_finished for s in seqs)
