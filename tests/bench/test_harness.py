@@ -87,6 +87,19 @@ def test_figures_carry_the_issues_names_with_three_rounds():
     assert figs["overhead_p50_vs_portkey"] == 0.75 and figs["mix_short_ttft_p99_ratio"] is None
 
 
+def test_the_mix_figure_is_the_median_of_its_rounds_and_older_results_still_read():
+    def by(p99: float) -> dict:
+        return {"p99_ttft_ms": p99, "by_label": {"short": {"p99_ttft_ms": p99}}}
+
+    mix = {"alone": by(30.0), "mixed": by(90.0),
+           "short_p99_rounds": [{"alone_ms": 30.0, "mixed_ms": 90.0}, {"alone_ms": 40.0, "mixed_ms": 200.0},
+                                {"alone_ms": 50.0, "mixed_ms": 100.0}]}
+    assert round_figures({"mix": mix})["mix_short_ttft_p99_ratio"] == [3.0, 5.0, 2.0]
+    assert figures({"mix": mix})["mix_short_ttft_p99_ratio"] == 3.0
+    older = {"alone": by(30.0), "mixed": by(60.0)}  # a results.json from before the rounds
+    assert round_figures({"mix": older})["mix_short_ttft_p99_ratio"] == [2.0]
+
+
 def test_cpu_per_request_reads_each_role_and_divides_by_the_requests():
     """`kvgate bench cpu`'s arithmetic on this process's own counters (the stack is not started here)."""
     import os
