@@ -103,9 +103,12 @@ class Scheduler:
     def _is_long(self, uncomputed: int) -> bool:
         return uncomputed > self.max_num_batched_tokens // 2
 
-    def _long_in_prefill(self, priority: int) -> bool:
-        """A long prompt of this priority or a better one is mid-prefill (beyond this step's chunk)."""
-        return any(s.params.priority <= priority and self._is_long(_remaining(s)) for s in self.running)
+    def _long_in_prefill(self, priority: int, plan: _Plan) -> bool:
+        """A long prompt of this priority or a better one is mid-prefill beyond this step's chunk
+        (one that finishes its prefill in this step lets the next long prompt start in it)."""
+        scheduled = {s.seq_id: n for s, n in plan.batch}
+        return any(s.params.priority <= priority and self._is_long(_remaining(s) - scheduled.get(s.seq_id, 0))
+                   for s in self.running)
 
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         scheduled = {s.seq_id for s, _ in batch}
@@ -135,7 +138,7 @@ class Scheduler:
                 skipped.add(seq.seq_id)
                 continue
             num_cached = len(hits) * self.pool.block_size
-            if self._is_long(seq.num_tokens - num_cached) and self._long_in_prefill(seq.params.priority):
+            if self._is_long(seq.num_tokens - num_cached) and self._long_in_prefill(seq.params.priority, plan):
                 skipped.add(seq.seq_id)
                 continue
             num_new = min(seq.num_tokens - num_cached, plan.budget)

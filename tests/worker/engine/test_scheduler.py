@@ -247,6 +247,13 @@ def test_long_prompts_keep_their_order_and_the_whole_budget():
     assert started == [s.seq_id for s in longs]
 
 
+def test_the_next_long_prompt_starts_in_the_step_where_the_one_before_finishes_its_prefill():
+    sched = make(num_blocks=256, budget=16)
+    first, second = add(sched, 28), add(sched, 40)
+    assert step(sched) == {first.seq_id: 16}
+    assert step(sched) == {first.seq_id: 12, second.seq_id: 4}  # no budget left idle
+
+
 def test_a_better_priority_long_prompt_is_not_held_by_a_worse_one_in_prefill():
     sched = make(num_blocks=256, budget=16)
     batch_line = add(sched, 60, priority=1000)
