@@ -138,10 +138,12 @@ class Scheduler:
                 skipped.add(seq.seq_id)
                 continue
             num_cached = len(hits) * self.pool.block_size
-            if self._is_long(seq.num_tokens - num_cached) and self._long_in_prefill(seq.params.priority, plan):
+            long = self._is_long(seq.num_tokens - num_cached)
+            # a long prompt's first chunk counts against the chunks' room, as its later ones will
+            num_new = min(seq.num_tokens - num_cached, plan.budget, plan.chunk_room if long else plan.budget)
+            if long and (num_new == 0 or self._long_in_prefill(seq.params.priority, plan)):
                 skipped.add(seq.seq_id)
                 continue
-            num_new = min(seq.num_tokens - num_cached, plan.budget)
             if not self.pool.allocate(seq, num_new, hits):
                 break
             self.pool.record_lookup(seq.num_tokens, num_cached)
@@ -150,6 +152,7 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
             plan.add(seq, num_new)
+            plan.chunk_room -= num_new if long else 0
             if self.pool.enable_caching:  # what it writes in later steps, the next prompts may wait for
                 prefilling.update(seq.block_hashes[seq.num_registered_blocks:])
 

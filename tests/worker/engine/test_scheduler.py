@@ -254,6 +254,14 @@ def test_the_next_long_prompt_starts_in_the_step_where_the_one_before_finishes_i
     assert step(sched) == {first.seq_id: 12, second.seq_id: 4}  # no budget left idle
 
 
+def test_a_long_prompt_starting_beside_a_finishing_one_leaves_the_short_prompt_its_half():
+    sched = make(num_blocks=256, budget=16)
+    first, second = add(sched, 28), add(sched, 40)
+    step(sched)
+    short = add(sched, 5)  # behind the second in arrival order
+    assert step(sched) == {first.seq_id: 8, short.seq_id: 5}  # the chunks' half went to the first
+
+
 def test_a_better_priority_long_prompt_is_not_held_by_a_worse_one_in_prefill():
     sched = make(num_blocks=256, budget=16)
     batch_line = add(sched, 60, priority=1000)
