@@ -226,13 +226,11 @@ class Bench:
                                dataset="long-short", rate=s.mix_short_rate)
             mixed = self.serve(server, self.workload("long-short", n, replace(opts, long_fraction=n_long / n), seed,
                                                      rate), dataset="long-short", rate=rate)
-            rounds.append({"alone": alone, "mixed": mixed})
+            rounds.append({"alone": alone, "mixed": mixed, "p99": {
+                "alone_ms": alone["p99_ttft_ms"], "mixed_ms": mixed["by_label"]["short"]["p99_ttft_ms"]}})
         self.procs.stop(server.proc)
-        p99s = [{"alone_ms": d["alone"]["p99_ttft_ms"], "mixed_ms": d["mixed"]["by_label"]["short"]["p99_ttft_ms"]}
-                for d in rounds]
-        middle = sorted(range(len(rounds)), key=lambda i: p99s[i]["mixed_ms"] / max(p99s[i]["alone_ms"], 1e-9))
-        middle = rounds[middle[len(rounds) // 2]]
-        return {"alone": middle["alone"], "mixed": middle["mixed"], "short_p99_rounds": p99s,
+        middle = sorted(rounds, key=lambda d: d["p99"]["mixed_ms"] / max(d["p99"]["alone_ms"], 1e-9))[len(rounds) // 2]
+        return {"alone": middle["alone"], "mixed": middle["mixed"], "short_p99_rounds": [d["p99"] for d in rounds],
                 "short_rate": s.mix_short_rate, "long_rate": long_rate,
                 "long_ttft_alone_ms": probe["p50_ttft_ms"], "long_busy": s.mix_long_busy,
                 **{k: getattr(s, k) for k in ("mix_short_input", "mix_short_output", "mix_long_input",

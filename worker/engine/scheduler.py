@@ -58,14 +58,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        plan = _Plan(self.max_num_batched_tokens)
+        plan = _Plan(self.max_num_batched_tokens, self._chunk_room())
         self._order_waiting()
         preemptions = self.num_preemptions
         # Decodes first, so a long prompt never stalls the streams already running; then prompt
         # chunks by priority, waiting prompts that outrank a running chunk admitted before it.
         decodes = sorted((s for s in self.running if _remaining(s) == 1), key=lambda s: s.priority_key)
         chunks = sorted((s for s in self.running if _remaining(s) > 1), key=lambda s: s.priority_key)
-        plan.chunk_room = self._chunk_room()
         for seq in decodes + chunks:
             if plan.budget == 0:
                 break
@@ -211,9 +210,9 @@ class _Plan:
     worse one is then left out before any block is allocated for it (a block is offered to the
     prefix cache only when its KV is written in the same step)."""
 
-    def __init__(self, budget: int):
+    def __init__(self, budget: int, chunk_room: int):
         self.budget = budget
-        self.chunk_room = budget  # what running prompts' chunks may still take (Scheduler._chunk_room)
+        self.chunk_room = chunk_room  # what running prompts' chunks and long prompts' first ones may take
         self.batch: ScheduledBatch = []
         self.prefill_priority: int | None = None
 
