@@ -27,8 +27,7 @@ from gateway.routing import Outcome
 from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, StreamLease
 from gateway.timeouts import Timeouts
-from shared import names
-from shared.telemetry import tracer
+from shared import names, telemetry
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -145,7 +144,7 @@ async def admit(request: Request, key: CurrentKey) -> AsyncIterator[Lease]:
     lease = Lease(key=key, slot_id=secrets.token_hex(8), lane=_lane(request), resuming=resumes(request))
     lease.timeouts = timeouts.of(state.settings, key, request.url.path, lease.lane)
     lease.deferred = _deferred(request, lease)
-    with tracer().start_as_current_span("limits"):
+    with telemetry.span("limits"):
         if not lease.deferred:  # one round trip: the token window, and unless it resumes, the
             # request counted in its minute and a slot taken
             taken = None if lease.resuming else lease.slot_id

@@ -50,11 +50,7 @@ class Observe:
             return await self.app(scope, receive, send)
         seen = _Response(time.monotonic())
         logs.bind_request("req-" + secrets.token_hex(8))
-        name = f"{scope['method']} {scope['path']}"
-        parent = telemetry.extract(_trace_headers(scope))  # a client's own trace goes on here
-        attributes = {"http.request.method": scope["method"], "url.path": scope["path"]}
-        with telemetry.tracer().start_as_current_span(name, context=parent, kind=SpanKind.SERVER,
-                                                      attributes=attributes) as span:
+        with _server_span(scope) as span:
 
             async def observed_send(message):
                 if message["type"] == "http.response.start":
@@ -77,6 +73,17 @@ class Observe:
                 if seen.streaming:
                     metrics.STREAMS.labels(*seen.labels).dec()
                 _record(scope, seen, span)
+
+
+def _server_span(scope):
+    """The request's server span, a client's own trace (`traceparent`) its parent. With tracing
+    off, nothing: not even the client's trace context travels on to the worker."""
+    if not telemetry.enabled():
+        return telemetry.NO_SPAN
+    parent = telemetry.extract(_trace_headers(scope))
+    attributes = {"http.request.method": scope["method"], "url.path": scope["path"]}
+    return telemetry.span(f"{scope['method']} {scope['path']}", context=parent, kind=SpanKind.SERVER,
+                          attributes=attributes)
 
 
 def _trace_headers(scope) -> dict[str, str]:

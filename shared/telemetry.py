@@ -5,6 +5,7 @@ to `{endpoint}/v1/traces` over OTLP/HTTP. Without a provider every span here is 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable
@@ -53,6 +54,20 @@ def tracer() -> trace.Tracer:
     return trace.get_tracer("kvgate")
 
 
+# What `span` gives when no provider is installed: the invalid span, whose calls do nothing.
+NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
+def span(name: str, **kwargs):
+    """`start_as_current_span(name, **kwargs)` when tracing is on; otherwise a context manager
+    that does nothing at all. A no-op span is not free: getting the tracer, making the span and
+    attaching and detaching its context cost ~3 % of the gateway's CPU on a streamed request
+    (py-spy, 2026-12-03), on every request of a gateway that traces nowhere."""
+    if not _installed:
+        return NO_SPAN
+    return tracer().start_as_current_span(name, **kwargs)
+
+
 def enabled() -> bool:
     return _installed
 
@@ -75,6 +90,8 @@ def traced(name: str) -> Callable:
     def wrap(fn):
         @functools.wraps(fn)
         async def inner(*args, **kwargs):
+            if not _installed:
+                return await fn(*args, **kwargs)
             with tracer().start_as_current_span(name):
                 return await fn(*args, **kwargs)
         return inner
