@@ -9,10 +9,13 @@ A prompt whose next uncached prefix block another prompt is prefilling waits unt
 written it (fork branches sent together share their prefix's KV instead of each computing it).
 Long prompts (more uncomputed tokens than half the budget) are prefilled one at a time within a
 priority: while one is mid-prefill, a waiting long prompt is passed over and the short prompts
-behind it are admitted (vLLM's `max_long_partial_prefills` of 1); the running prompts' chunks
-together take at most half the budget while a short prompt waits. So a short prompt arriving
-behind a burst of long ones waits about one step, not for all of their prefills; the long prompts
-keep their order among themselves and the full budget whenever no short prompt waits.
+behind it are admitted (vLLM's `max_long_partial_prefills` of 1); and prompt chunks together take
+at most half of every step's budget (`max_chunk_tokens`, as vLLM's `long_prefill_token_threshold`
+caps a long prompt's chunk). So no step that prefills a long prompt is longer than about half a
+full one: a short prompt arriving behind a burst of long ones waits for at most that step in
+progress and starts in the next, and streams already running get their next token as often. The
+price is a long prompt's prefill alone in more, shorter steps (a larger step budget makes the
+chunks larger); the long prompts keep their order among themselves.
 Prompts are prefilled strictly by priority: a step that prefills some prompt leaves out the chunks
 of worse-priority prompts (batch lines), so they never lengthen the step that produces a better
 prompt's first token; their decodes, one token each, still run. When blocks run out, the
@@ -40,6 +43,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, pool: BlockPool):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_chunk_tokens = max(1, config.max_num_batched_tokens // 2)  # prompt chunks, per step
         self.pool = pool
         self.waiting: list[Sequence] = []  # by priority_key (or priority, waiting_order, arrival)
         self.running: list[Sequence] = []
@@ -58,7 +62,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
-        plan = _Plan(self.max_num_batched_tokens, self._chunk_room())
+        plan = _Plan(self.max_num_batched_tokens, self.max_chunk_tokens)
         self._order_waiting()
         preemptions = self.num_preemptions
         # Decodes first, so a long prompt never stalls the streams already running; then prompt
@@ -91,13 +95,6 @@ class Scheduler:
         if self.waiting_order is not None and len(self.waiting) > 1:
             order = self.waiting_order
             self.waiting.sort(key=lambda s: (s.params.priority, order(s.request_id), s.seq_id))
-
-    def _chunk_room(self) -> int:
-        """Tokens the running prompts' chunks may take this step: half the budget while a short
-        prompt waits with a slot free for it (so it starts now), else all of it."""
-        if len(self.running) < self.max_num_seqs and any(not self._is_long(_remaining(s)) for s in self.waiting):
-            return max(1, self.max_num_batched_tokens // 2)
-        return self.max_num_batched_tokens
 
     def _is_long(self, uncomputed: int) -> bool:
         return uncomputed > self.max_num_batched_tokens // 2
