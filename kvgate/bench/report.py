@@ -333,16 +333,19 @@ def _mix_md(m: dict) -> list[str]:
             f"({m['mix_long_output']} output tokens) at {m['long_rate']:.2f} req/s: a long prompt's TTFT alone was "
             f"{m['long_ttft_alone_ms']:.0f} ms here, and the rate is set so long prefills keep the engine about "
             f"{m['long_busy']:.0%} busy (feasible load: the figure is about scheduling, not overload).", "",
-            "| run | class | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms |", "| --- | --- | --- | ---: | ---: | ---: |",
-            f"| alone | short | {m['alone']['completed']} | {m['alone']['p50_ttft_ms']:.1f} | {m['alone']['p99_ttft_ms']:.1f} | "
-            f"{m['alone']['p50_tpot_ms']:.2f} |",
-            f"| mix | short | {short['completed']} | {short['p50_ttft_ms']:.1f} | {short['p99_ttft_ms']:.1f} | "
-            f"{short['p50_tpot_ms']:.2f} |",
-            f"| mix | long | {long_.get('completed', 0)} | {long_.get('p50_ttft_ms', 0):.1f} | "
-            f"{long_.get('p99_ttft_ms', 0):.1f} | {long_.get('p50_tpot_ms', 0):.2f} |"] + (
+            "| run | class | requests | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | ITL p99 ms |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: |",
+            _mix_row("alone", "short", m["alone"]), _mix_row("mix", "short", short),
+            _mix_row("mix", "long", long_)] + (
         ["", "The table is the median round; short TTFT p99 with long prompts ÷ alone in each round: "
          + ", ".join(f"{d['mixed_ms']:.1f} ÷ {d['alone_ms']:.1f} ms" for d in m["short_p99_rounds"]) + "."]
         if m.get("short_p99_rounds") else [])
+
+
+def _mix_row(run: str, label: str, d: dict) -> str:
+    """A class's row; ITL p99 is a stream's worst gaps between tokens (a long step shows there)."""
+    return (f"| {run} | {label} | {d.get('completed', 0)} | {d.get('p50_ttft_ms', 0):.1f} | "
+            f"{d.get('p99_ttft_ms', 0):.1f} | {d.get('p50_tpot_ms', 0):.2f} | {d.get('p99_itl_ms', 0):.1f} |")
 
 
 def _added_md(a: dict) -> list[str]:

@@ -6,7 +6,7 @@ import pytest
 
 from kvgate.bench.datasets import DatasetOptions, Vocabulary, load_tokenizer, make_requests, send_times
 from kvgate.bench.loadgen import LoadGenerator, _split
-from kvgate.bench.report import TARGETS, figures, round_figures, spread
+from kvgate.bench.report import TARGETS, _mix_md, figures, round_figures, spread
 from kvgate.bench.serve import RunConfig
 
 
@@ -98,6 +98,20 @@ def test_the_mix_figure_is_the_median_of_its_rounds_and_older_results_still_read
     assert figures({"mix": mix})["mix_short_ttft_p99_ratio"] == 3.0
     older = {"alone": by(30.0), "mixed": by(60.0)}  # a results.json from before the rounds
     assert round_figures({"mix": older})["mix_short_ttft_p99_ratio"] == [2.0]
+
+
+def test_the_mix_table_shows_each_class_worst_gaps_between_tokens():
+    def run(ttft: float, itl: float) -> dict:
+        return {"completed": 9, "p50_ttft_ms": ttft, "p99_ttft_ms": 2 * ttft, "p50_tpot_ms": 3.0, "p99_itl_ms": itl}
+
+    mix = {"alone": run(10.0, 12.5), "mixed": {"by_label": {"short": run(20.0, 33.3), "long": run(200.0, 31.5)}},
+           "mix_short_input": 32, "mix_short_output": 32, "short_rate": 9, "mix_long_input": 1024,
+           "mix_long_output": 8, "long_rate": 1.5, "long_ttft_alone_ms": 150.0, "long_busy": 0.2}
+    table = [line for line in _mix_md(mix) if line.startswith("| ")]
+    assert table[0].endswith("| TPOT p50 ms | ITL p99 ms |")
+    assert [row.split("|")[-2].strip() for row in table[2:]] == ["12.5", "33.3", "31.5"]
+    del mix["mixed"]["by_label"]["long"]  # no long prompt finished: a row of zeros, not an error
+    assert _mix_md(mix)[-1].startswith("| mix | long | 0 |")
 
 
 def test_cpu_per_request_reads_each_role_and_divides_by_the_requests():
