@@ -97,7 +97,8 @@ class Scheduler:
             self.waiting.sort(key=lambda s: (s.params.priority, order(s.request_id), s.seq_id))
 
     def _is_long(self, uncomputed: int) -> bool:
-        return uncomputed > self.max_num_batched_tokens // 2
+        """More than one chunk's worth: it would be prefilled over several steps."""
+        return uncomputed > self.max_chunk_tokens
 
     def _long_in_prefill(self, priority: int, plan: _Plan) -> bool:
         """A long prompt of this priority or a better one is mid-prefill beyond this step's chunk
