@@ -67,12 +67,13 @@ class WorkerService:
     def run(self) -> None:
         self._until_redis(self.consumer.ensure_groups)
         self._until_redis(self.heartbeat.register_model)
-        self.heartbeat.start()
-        self.cancels.start()
+        # said before the first heartbeat: whoever sees this worker in the registry finds the line logged
         log.info("worker %s serving %s:%s on %s (reasoning parser %s, tool call parser %s)",
                  self.s.worker_id, self.s.served_name, self.s.version, self.consumer.stream,
                  self.s.reasoning_parser, self.s.tool_call_parser,
                  extra={"reasoning_parser": self.s.reasoning_parser, "tool_call_parser": self.s.tool_call_parser})
+        self.heartbeat.start()
+        self.cancels.start()
         try:
             while not self.stopping.is_set():
                 try:
