@@ -5,13 +5,16 @@ long outputs; tenant B (weight `--weight-b`) sends short requests at a low rate.
 phases: B alone (its TTFT p50/p99), B beside A's flood (the same), then both flooding, where each
 tenant's share of the tokens served while both were backlogged is set against its weight's share.
 Figures: `light_ttft_p99_ratio` (B's p99 beside A over alone; target <= 2) and `share_error` (the
-largest |share - weight share| / weight share; target <= 0.1), in docs/perf/fairness.json.
+largest |share - weight share| / weight share; target <= 0.1), in docs/perf/fairness.json: each the
+median of `--rounds` rounds (the arms taking turns, a fresh stack each), with the rounds' min and max,
+and the ratio of B's TTFT samples of all rounds pooled (a p99 of one round's ~10 samples is its worst).
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import random
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,10 +109,33 @@ def _capacity(url: str, key: str, shape: Shape, seqs: int) -> float:
 def _ttft(results: list[Result], phase: str) -> dict:
     values = [r.ttft for r in results if r.tenant == "b" and r.phase == phase and r.ttft is not None]
     sent = sum(r.tenant == "b" and r.phase == phase for r in results)
+    return {**_percentiles(values), "sent": sent, "values_s": values}
+
+
+def _percentiles(values: list[float]) -> dict:
     if not values:
-        return {"n": 0, "sent": sent}
-    return {"n": len(values), "sent": sent, "p50_s": float(np.percentile(values, 50)),
-            "p99_s": float(np.percentile(values, 99))}
+        return {"n": 0}
+    return {"n": len(values), "p50_s": float(np.percentile(values, 50)), "p99_s": float(np.percentile(values, 99))}
+
+
+def _ratio(beside: dict, alone: dict) -> float | None:
+    return beside["p99_s"] / alone["p99_s"] if alone.get("p99_s") and beside.get("p99_s") else None
+
+
+def summarize(rounds: list[dict]) -> dict:
+    """An arm's rounds in one: each figure's median with the rounds' min and max (None where a round
+    could not measure it), and B's TTFT over every round's samples pooled."""
+    summary: dict = {"rounds": rounds}
+    for name in ("light_ttft_p99_ratio", "share_error"):
+        values = [r[name] for r in rounds]
+        ordered = sorted(values) if values and None not in values else None
+        summary[name] = statistics.median(ordered) if ordered else None
+        summary[name + "_spread"] = {"min": ordered[0], "max": ordered[-1]} if ordered else None
+    pooled = {phase: _percentiles([v for r in rounds for v in r[f"light_ttft_{phase}"]["values_s"]])
+              for phase in ("alone", "beside")}
+    summary["light_ttft_pooled"] = pooled
+    summary["light_ttft_p99_ratio_pooled"] = _ratio(pooled["beside"], pooled["alone"])
+    return summary
 
 
 def _shares(results: list[Result], window: tuple[float, float], weights: dict[str, float]) -> dict:
@@ -130,7 +156,9 @@ ARMS = {"fair": {"KVGATE_FAIR_ORDER": "true", "KVGATE_FAIR_YIELD": "true"},
         "fifo": {"KVGATE_FAIR_ORDER": "false"}}
 
 
-def run_order(arm: str, out_dir: Path, model: str | None, a: dict) -> dict:
+def run_order(arm: str, out_dir: Path, model: str | None, a: dict, seed: int = 0) -> dict:
+    """One arm on a fresh stack; `seed` draws the arrivals (each tenant's and phase's from its own
+    generator, so every arm of a round gets B's same arrival times whatever its capacity)."""
     env = {**ARMS[arm], "KVGATE_TORCH_THREADS": "1",
            "KVGATE_MAX_NUM_SEQS": str(a["seqs"]), "KVGATE_MAX_STREAM_DEPTH": "100000"}
     procs, stack = start_stack(out_dir / arm, model, "paged", env)
@@ -140,19 +168,21 @@ def run_order(arm: str, out_dir: Path, model: str | None, a: dict) -> dict:
                 "b": _key(stack.url, admin, "tenant-b", a["weight_b"])}
         long, short = Shape(16, a["long_tokens"]), Shape(16, a["short_tokens"])
         capacity = _capacity(stack.url, keys["a"], long, a["seqs"])
-        rng, phase_s = random.Random(0), a["phase_s"]
-        flood = a["flood_x"] * capacity
-        plan = [(t, "b", "alone", keys["b"], short) for t in arrivals(a["light_rate"], phase_s, rng)]
-        plan += [(phase_s + t, "a", "beside", keys["a"], long) for t in arrivals(flood, phase_s, rng)]
-        light = arrivals(a["light_rate"], phase_s, rng)
-        plan += [(phase_s + t, "b", "beside", keys["b"], short) for t in light]
+        phase_s, flood = a["phase_s"], a["flood_x"] * capacity
+
+        def drawn(rate: float, what: str) -> list[float]:
+            return arrivals(rate, phase_s, random.Random(f"{seed}:{what}"))
+
+        plan = [(t, "b", "alone", keys["b"], short) for t in drawn(a["light_rate"], "b-alone")]
+        plan += [(phase_s + t, "a", "beside", keys["a"], long) for t in drawn(flood, "a-beside")]
+        plan += [(phase_s + t, "b", "beside", keys["b"], short) for t in drawn(a["light_rate"], "b-beside")]
         # both backlogged: each floods; shares are counted from when B's queue has formed
         both = 2 * phase_s
         for tenant in ("a", "b"):
-            plan += [(both + t, tenant, "both", keys[tenant], long) for t in arrivals(flood, phase_s, rng)]
+            plan += [(both + t, tenant, "both", keys[tenant], long) for t in drawn(flood, f"{tenant}-both")]
         results = asyncio.run(_offer(stack.url, plan, until=3 * phase_s + 2))
         alone, beside = _ttft(results, "alone"), _ttft(results, "beside")
-        ratio = beside["p99_s"] / alone["p99_s"] if alone.get("p99_s") and beside.get("p99_s") else None
+        ratio = _ratio(beside, alone)
         shares = _shares(results, (both + phase_s / 3, 3 * phase_s),
                          {"a": a["weight_a"], "b": a["weight_b"]})
         return {"capacity_rps": capacity, "flood_rps": flood, "light_ttft_alone": alone,
@@ -171,18 +201,31 @@ def run_order(arm: str, out_dir: Path, model: str | None, a: dict) -> dict:
 @click.option("--short-tokens", default=8, show_default=True, help="B's max_tokens")
 @click.option("--weight-a", default=1.0, show_default=True)
 @click.option("--weight-b", default=1.0, show_default=True)
+@click.option("--rounds", default=3, show_default=True, type=click.IntRange(1, 20),
+              help="Rounds of every arm, taking turns; each figure is the median of its rounds")
+@click.option("--arms", default=",".join(ARMS), show_default=True,
+              help="Which orders to run, comma-separated (the first one's figures are the headline)")
 @click.option("--out", default="docs/perf/fairness.json", show_default=True)
-def fairness_command(model, out, **a) -> None:
+def fairness_command(model, out, rounds, arms, **a) -> None:
     """Noisy neighbour: a light tenant's TTFT beside a flooding one, and token shares against
     weights, under the fair order (making room in a full batch, and waiting for a slot) and under
     FIFO, one fresh stack each."""
+    chosen = [arm.strip() for arm in arms.split(",") if arm.strip()]
+    if not chosen or set(chosen) - set(ARMS):
+        raise click.BadParameter(f"choose among {', '.join(ARMS)}", param_hint="--arms")
     out_path = Path(out)
-    runs = {arm: run_order(arm, Path("bench-out/fairness"), model, a) for arm in ARMS}
-    doc = {"fairness": {"light_ttft_p99_ratio": runs["fair"]["light_ttft_p99_ratio"],
-                        "share_error": runs["fair"]["share_error"], "settings": a, **runs}}
+    runs: dict[str, list[dict]] = {arm: [] for arm in chosen}
+    for n in range(rounds):  # the arms take turns, so a slower hour of the host falls on each alike
+        for arm in chosen:
+            runs[arm].append(r := run_order(arm, Path(f"bench-out/fairness/round-{n}"), model, a, seed=n))
+            click.echo(f"round {n + 1} {arm}: ratio {r['light_ttft_p99_ratio']}, share error {r['share_error']}")
+    arms_doc = {arm: summarize(rs) for arm, rs in runs.items()}
+    head = arms_doc[chosen[0]]
+    doc = {"fairness": {"light_ttft_p99_ratio": head["light_ttft_p99_ratio"], "share_error": head["share_error"],
+                        "headline_arm": chosen[0], "settings": {**a, "rounds": rounds}, **arms_doc}}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(doc, indent=1) + "\n")
     click.echo(json.dumps({k: doc["fairness"][k] for k in ("light_ttft_p99_ratio", "share_error")}))
-    for name, r in runs.items():
-        click.echo(f"{name}: B p99 alone {r['light_ttft_alone'].get('p99_s')} s, beside A "
-                   f"{r['light_ttft_beside'].get('p99_s')} s; shares {r['share']} vs {r['weight_share']}")
+    for name, r in arms_doc.items():
+        click.echo(f"{name}: ratio {r['light_ttft_p99_ratio']} {r['light_ttft_p99_ratio_spread']}, pooled "
+                   f"{r['light_ttft_p99_ratio_pooled']}; share error {r['share_error']} {r['share_error_spread']}")
