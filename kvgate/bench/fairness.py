@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ import numpy as np
 
 from kvgate.bench.burst import arrivals, start_stack
 from kvgate.bench.procs import LIMIT_RPM, LIMIT_TPM
+from kvgate.bench.report import spread
 
 SERVED = "demo"
 
@@ -124,13 +124,12 @@ def _ratio(beside: dict, alone: dict) -> float | None:
 
 def summarize(rounds: list[dict]) -> dict:
     """An arm's rounds in one: each figure's median with the rounds' min and max (None where a round
-    could not measure it), and B's TTFT over every round's samples pooled."""
+    could not measure it; of an even count the upper median, as `make bench` takes), and B's TTFT
+    over every round's samples pooled."""
     summary: dict = {"rounds": rounds}
     for name in ("light_ttft_p99_ratio", "share_error"):
-        values = [r[name] for r in rounds]
-        ordered = sorted(values) if values and None not in values else None
-        summary[name] = statistics.median(ordered) if ordered else None
-        summary[name + "_spread"] = {"min": ordered[0], "max": ordered[-1]} if ordered else None
+        summary[name + "_spread"] = figure = spread([r[name] for r in rounds])  # make bench's rule
+        summary[name] = figure["median"] if figure else None
     pooled = {phase: _percentiles([v for r in rounds for v in r[f"light_ttft_{phase}"]["values_s"]])
               for phase in ("alone", "beside")}
     summary["light_ttft_pooled"] = pooled

@@ -32,8 +32,9 @@ def test_an_arms_rounds_give_the_median_the_spread_and_the_pooled_ratio():
     s = summarize(rounds)
     assert [r["light_ttft_p99_ratio"] for r in s["rounds"]] == pytest.approx([0.02 / 0.0191, 3.0, 1.5])
     assert s["light_ttft_p99_ratio"] == pytest.approx(1.5)
-    assert s["light_ttft_p99_ratio_spread"] == pytest.approx({"min": 0.02 / 0.0191, "max": 3.0})
-    assert (s["share_error"], s["share_error_spread"]) == (0.05, {"min": 0.01, "max": 0.20})
+    spread = s["light_ttft_p99_ratio_spread"]
+    assert (spread["min"], spread["max"]) == pytest.approx((0.02 / 0.0191, 3.0))
+    assert (s["share_error"], s["share_error_spread"]["min"], s["share_error_spread"]["max"]) == (0.05, 0.01, 0.20)
     assert (s["light_ttft_pooled"]["alone"]["n"], s["light_ttft_pooled"]["beside"]["n"]) == (30, 30)
     pooled_alone = s["light_ttft_pooled"]["alone"]["p99_s"]
     assert 0.01 < pooled_alone < 0.02  # one slow sample of 30 is not the pooled p99's whole value
@@ -44,7 +45,7 @@ def test_a_round_that_could_not_measure_leaves_the_figure_unset():
     rounds = [_round([0.01] * 10, [0.02] * 10, 0.05), {**_round([0.01], [0.02], 0.1), "light_ttft_p99_ratio": None}]
     s = summarize(rounds)
     assert s["light_ttft_p99_ratio"] is None and s["light_ttft_p99_ratio_spread"] is None
-    assert s["share_error"] == pytest.approx(0.075)
+    assert s["share_error"] == pytest.approx(0.1)  # of two rounds the upper, as make bench's figures
 
 
 def test_an_unknown_arm_is_refused_before_any_stack_starts(tmp_path):
