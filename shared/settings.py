@@ -210,10 +210,10 @@ class WorkerSettings(CommonSettings):
     attention_backend: str = Field("auto", description="auto (triton on CUDA; on CPU torch with the "
                                    "native fp32 kernels, docs/engine.md), torch (pure torch) or triton")
     cpu_linear_kernel: str = Field("auto", description="The linears' GEMM path on CPU: auto "
-                                   "(oneDNN or MKL, row-major or transposed weights: timed at load "
-                                   "on the model's shapes, fp32 on CPU) or one of onednn, aten, "
-                                   "onednn_t, aten_t (forced; `kvgate_engine_kernel_info` says "
-                                   "which ran)")
+                                   "(oneDNN or MKL over row-major, transposed or oneDNN-packed "
+                                   "weights: timed at load on the model's own weights, fp32 on CPU) "
+                                   "or one of onednn, aten, onednn_t, aten_t, onednn_p (forced; "
+                                   "`kvgate_engine_kernel_info` says which ran)")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "
                                 "are captured at start-up)")
     reasoning_parser: str | None = Field(None, description="How the model marks its thinking "

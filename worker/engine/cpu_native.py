@@ -36,6 +36,11 @@ _FAST_C = r"""
 /* One query token per sequence, K/V read in place block by block: scores, softmax, weighted V.
    HEAD_DIM is fixed at compile time so the inner loops unroll into a few vector FMAs. */
 #define KV_HEAD(h) (G == 1 ? (h) : (h) / G) /* no integer division per token and head without GQA */
+/* The next block's cache lines asked for while this one is computed: blocks sit anywhere in the
+   cache, so the hardware prefetcher stops at every block's end (7-10 % of the kernel on a Xeon). */
+static inline void prefetch(const float* p, size_t n) {
+  for (size_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 3);
+}
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
                       float* out, int B, int Hq, int Hkv, int bs, int bt_stride, int q_stride, float scale,
                       int nthreads) {
@@ -53,6 +58,7 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
       for (int t0 = 0; t0 < L; t0 += bs) {
         const float* k = kc + (size_t)row[t0 / bs] * block_len;
         const int n = L - t0 < bs ? L - t0 : bs;
+        prefetch(t0 + bs < L ? kc + (size_t)row[t0 / bs + 1] * block_len : vc + (size_t)row[0] * block_len, block_len);
         for (int o = 0; o < n; o++, k += row_len)
           for (int h = 0; h < Hq; h++) {
             const float* kh = k + KV_HEAD(h) * HEAD_DIM; const float* qh = qb + h * HEAD_DIM;
@@ -76,6 +82,7 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
       for (int t0 = 0; t0 < L; t0 += bs) {
         const float* v = vc + (size_t)row[t0 / bs] * block_len;
         const int n = L - t0 < bs ? L - t0 : bs;
+        if (t0 + bs < L) prefetch(vc + (size_t)row[t0 / bs + 1] * block_len, block_len);
         for (int o = 0; o < n; o++, v += row_len)
           for (int h = 0; h < Hq; h++) {
             const float* vh = v + KV_HEAD(h) * HEAD_DIM; const float p = sc[h * L + t0 + o];

@@ -1,14 +1,20 @@
 """Chooses the CPU GEMM path of the model's linear layers by timing the alternatives at load.
 
-oneDNN vs MKL, and a row-major vs a transposed weight, flip between CPU families and batch sizes
-(oneDNN ran at twice MKL's rate on AMD EPYC at 64 rows; a 1-row GEMV was 4x faster on a transposed
-weight), so each is timed once per process on the model's own shapes, at a few rows and at the
-decode batch, interleaved and best-of-reps (a loaded host slows all alike), within a time budget.
-An alternative that raises is simply not chosen.
+oneDNN vs MKL, and a row-major, a transposed or a oneDNN-packed weight, flip between CPU families
+and batch sizes (oneDNN ran at twice MKL's rate on AMD EPYC at 64 rows; a 1-row GEMV was 4x faster
+on a transposed weight; on an Intel Xeon a packed weight ran 1.3x the others at 4 to 16 rows), so
+each is timed once per process on the model's own weights, at a few rows and at the decode batch.
+
+The timing is of what a decode step does: one pass over the linears in the order the step runs
+them, each reading its own weight from memory. Timing one layer's weight over and over measured
+caches, not the step: on the Xeon it ranked the paths at 4 rows in the opposite order (MKL over
+a transposed weight 2x ahead of a packed one, which is 1.3x ahead in the pass). The model's weights
+are re-laid in place for each layout in turn (no second copy), the layouts taken in rounds and the
+paths of a layout interleaved, best of the rounds (a loaded host slows all alike), within a time
+budget. An alternative that raises is simply not chosen.
 """
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -16,20 +22,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from worker.models.linear import PATHS, SMALL_ROWS, Linear, LinearKernel
+from worker.models.linear import PACKED, PATHS, SMALL_ROWS, Linear, LinearKernel, can_pack, relay, tied_weights
 
 log = logging.getLogger("kvgate.worker")
 
-BUDGET_S = 0.3  # measured repetitions stop once this is spent (the first always runs in full)
-REPS = 4
-MAX_OUT = 8192  # a vocabulary-sized weight is timed on this many of its rows (linear in rows)
+BUDGET_S = 1.0  # no round starts once this is spent (the first always runs in full)
+ROUNDS = 3
+MAX_BYTES = 512 << 20  # a bigger model is timed on its first layers up to this size, and lm_head
+_TIMINGS: dict[tuple, dict[str, float]] = {}  # one probe per process per shape sequence and rows
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     kernel: LinearKernel
     source: str  # "probe", "forced" or why there was no probe
-    timings_ms: dict = field(default_factory=dict)  # "path@rows": ms over the model's linears
+    timings_ms: dict = field(default_factory=dict)  # "path@rows": ms of a pass over the probed linears
 
     def label(self) -> str:
         k = self.kernel
@@ -38,71 +45,76 @@ class KernelChoice:
 
 def choose(model: nn.Module, setting: str, device: torch.device, dtype: torch.dtype,
            decode_rows: int) -> KernelChoice:
-    """`setting`: auto, or one of PATHS (forced, for both sizes). The probe runs for fp32 on CPU."""
+    """`setting`: auto, or one of PATHS (forced, for both sizes). The probe runs for fp32 on CPU;
+    it leaves the weights in whichever layout it timed last (use_kernel lays them out for the choice)."""
     if setting != "auto":
         return KernelChoice(LinearKernel(setting, setting), "forced")
     if device.type != "cpu" or dtype != torch.float32:
         return KernelChoice(LinearKernel("aten", "aten"), f"no probe: {device.type} {dtype}")
-    shapes = _shapes(model)
-    timings = _probe(tuple(sorted(shapes.items())), (min(4, SMALL_ROWS), max(decode_rows, SMALL_ROWS + 1)),
-                     torch.get_num_threads())
-    return KernelChoice(_pick(timings), "probe", timings)
+    linears = probed(model)
+    rows = (min(4, SMALL_ROWS), max(decode_rows, SMALL_ROWS + 1))
+    key = (tuple((m.out_features, m.in_features, m.bias is not None) for m in linears), rows,
+           torch.get_num_threads())
+    if key not in _TIMINGS:
+        _TIMINGS[key] = probe(linears, rows, tied_weights(model))
+    return KernelChoice(_pick(_TIMINGS[key]), "probe", _TIMINGS[key])
 
 
-def _shapes(model: nn.Module) -> dict[tuple[int, int, bool], int]:
-    """(out, in, bias) -> how many Linear layers have it."""
-    counts: dict[tuple[int, int, bool], int] = {}
-    for m in model.modules():
-        if isinstance(m, Linear):
-            key = (m.out_features, m.in_features, m.bias is not None)
-            counts[key] = counts.get(key, 0) + 1
-    return counts
+def probed(model: nn.Module) -> list[Linear]:
+    """The linears in the order a step runs them, the first up to MAX_BYTES of weights, and the
+    last (lm_head, often the largest) always."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    chosen, size = [], 0
+    for m in linears[:-1]:
+        if size >= MAX_BYTES:
+            break
+        chosen.append(m)
+        size += m.weight.numel() * m.weight.element_size()
+    return chosen + linears[-1:]
 
 
-@functools.cache
-def _probe(shapes: tuple, rows: tuple[int, int], threads: int) -> dict[str, float]:
-    """ms per forward over every linear, per path and row count; a path that raised is absent."""
+def probe(linears: list[Linear], rows: tuple[int, int], tied: set[int] = frozenset()) -> dict[str, float]:
+    """ms per pass over `linears` with their own weights, per path and row count; a path that
+    raised (or a layout this build cannot make) is absent."""
     gen = torch.Generator().manual_seed(0)
-    cases = []
-    for (out, inp, bias), count in shapes:
-        scale = count * out / min(out, MAX_OUT)
-        w = torch.randn(min(out, MAX_OUT), inp, generator=gen)
-        layouts = {False: w, True: w.t().contiguous().t()}
-        b = torch.randn(w.shape[0], generator=gen) if bias else None
-        cases.append((layouts, b, scale, inp))
-    xs = {n: {inp: torch.randn(n, inp, generator=gen) for *_, inp in cases} for n in rows}
+    widths = {m.in_features for m in linears}
+    xs = {n: {w: torch.randn(n, w, generator=gen) for w in widths} for n in rows}
+    layouts = {lay: [n for n, (_, l) in PATHS.items() if l == lay] for _, lay in PATHS.values()}
+    if not can_pack():
+        layouts.pop(PACKED)
     best: dict[str, float] = {}
-    usable = [name for name in PATHS if _works(name, cases, xs[rows[0]])]
     start = time.perf_counter()
     with torch.inference_mode():
-        for rep in range(REPS):
-            if rep and time.perf_counter() - start > BUDGET_S:
+        for rnd in range(ROUNDS):
+            if rnd and time.perf_counter() - start > BUDGET_S:
                 break
-            for name in usable:
-                fn, transposed = PATHS[name]
-                for n in rows:
-                    total = sum(scale * _timed(fn, xs[n][inp], layouts[transposed], b)
-                                for layouts, b, scale, inp in cases)
-                    best[f"{name}@{n}"] = min(best.get(f"{name}@{n}", float("inf")), 1e3 * total)
+            for layout, names in layouts.items():
+                for m in linears:
+                    relay(m, layout, tied)
+                if not rnd:  # the warm-up: oneDNN builds its primitives here, for both sizes
+                    names[:] = [n for n in names if _works(n, linears, xs)]
+                for name in names:
+                    for n in rows:
+                        best[f"{name}@{n}"] = min(best.get(f"{name}@{n}", float("inf")),
+                                                  1e3 * _pass(PATHS[name][0], linears, xs[n]))
     return best
 
 
-def _works(name: str, cases: list, xs: dict) -> bool:
-    """One call per shape, untimed: oneDNN builds its primitives here; a path that raises is out."""
-    fn, transposed = PATHS[name]
+def _works(name: str, linears: list[Linear], xs: dict) -> bool:
+    """One untimed pass at each size; a path that raises is out."""
     try:
-        with torch.inference_mode():
-            for layouts, b, _, inp in cases:
-                fn(xs[inp], layouts[transposed], b)
+        for x in xs.values():
+            _pass(PATHS[name][0], linears, x)
     except Exception as exc:  # not on this CPU or build: never chosen
         log.info("linear kernel %s unavailable: %s", name, exc)
         return False
     return True
 
 
-def _timed(fn, x, w, b) -> float:
+def _pass(fn, linears: list[Linear], xs: dict[int, torch.Tensor]) -> float:
     start = time.perf_counter()
-    fn(x, w, b)
+    for m in linears:
+        fn(xs[m.in_features], m.weight, m.bias)
     return time.perf_counter() - start
 
 
@@ -113,12 +125,13 @@ def _pick(timings: dict[str, float]) -> LinearKernel:
         return LinearKernel("aten", "aten")
     small, large = sorted({int(k.split("@")[1]) for k in timings})
 
-    def fastest(rows: int, transposed: bool) -> tuple[float, str]:
+    def fastest(rows: int, layout: str) -> tuple[float, str]:
         found = [(t, k.split("@")[0]) for k, t in timings.items()
-                 if int(k.split("@")[1]) == rows and PATHS[k.split("@")[0]][1] == transposed]
+                 if int(k.split("@")[1]) == rows and PATHS[k.split("@")[0]][1] == layout]
         return min(found, default=(float("inf"), ""))
 
     floor = {n: min(t for k, t in timings.items() if k.endswith(f"@{n}")) for n in (small, large)}
-    cost = {tr: fastest(small, tr)[0] / floor[small] + fastest(large, tr)[0] / floor[large] for tr in (False, True)}
-    transposed = min(cost, key=cost.get)
-    return LinearKernel(fastest(small, transposed)[1], fastest(large, transposed)[1])
+    layouts = dict.fromkeys(layout for _, layout in PATHS.values())  # in PATHS' order: a tie keeps the first
+    cost = {lay: fastest(small, lay)[0] / floor[small] + fastest(large, lay)[0] / floor[large] for lay in layouts}
+    layout = min(cost, key=cost.get)
+    return LinearKernel(fastest(small, layout)[1], fastest(large, layout)[1])

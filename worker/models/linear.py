@@ -9,21 +9,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_ONEDNN = torch.backends.mkldnn.is_available()
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if _ONEDNN else None
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN over a plain weight (reordered to its blocked format inside every call) or over one
+    `pack`ed once at load."""
     if _ONEDNN_LINEAR is not None and x.device.type == "cpu" and x.dtype == torch.float32:
         return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-# name -> (function, whether the weight is stored transposed: [in, out] memory seen as [out, in]).
-# oneDNN and MKL (aten) each come in both layouts: which is fastest flips between CPU families and
-# batch sizes (a 1-row GEMV over a row-major weight ran 4x slower than over a transposed one on AMD).
-PATHS: dict[str, tuple[Callable, bool]] = {
-    "onednn": (_onednn, False), "aten": (F.linear, False),
-    "onednn_t": (_onednn, True), "aten_t": (F.linear, True),
+PACK_ROWS = 64  # the row count oneDNN tunes a packed layout for (8, 64 and 256 ran alike; 1 slower)
+
+
+def can_pack() -> bool:
+    return _ONEDNN_LINEAR is not None and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in oneDNN's blocked layout (any row count runs on it): the reorder a plain weight
+    pays inside every call, paid once. Only fp32 CPU weights are packed; others stay as they are."""
+    if weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype != torch.float32 or not can_pack():
+        return weight
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
+
+
+# Weight layouts: row-major [out, in]; "cols", [in, out] memory seen as [out, in]; "packed", oneDNN's
+# own blocked format (an opaque mkldnn tensor, which only oneDNN reads).
+ROWS, COLS, PACKED = "rows", "cols", "packed"
+# name -> (function, the weight layout it reads). Which is fastest flips between CPU families and
+# batch sizes (a 1-row GEMV over a row-major weight ran 4x slower than over a transposed one on AMD;
+# on an Intel Xeon a packed weight ran 1.3-1.9x the others from 8 to 64 rows, and 0.8x at 1 row).
+PATHS: dict[str, tuple[Callable, str]] = {
+    "onednn": (_onednn, ROWS), "aten": (F.linear, ROWS),
+    "onednn_t": (_onednn, COLS), "aten_t": (F.linear, COLS),
+    "onednn_p": (_onednn, PACKED),
 }
 SMALL_ROWS = 16  # at most this many rows is a "small" GEMM (decode of a few sequences)
 
@@ -43,7 +65,7 @@ class LinearKernel:
             raise ValueError("both sizes must share one weight layout")
 
     @property
-    def transposed(self) -> bool:
+    def layout(self) -> str:
         return PATHS[self.small][1]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -66,20 +88,39 @@ class Linear(nn.Linear):
         return self.kernel(x, self.weight, self.bias)
 
 
+def lay_out(weight: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values in `layout` (a weight that cannot be packed stays as it is)."""
+    if weight.is_mkldnn:
+        weight = weight.to_dense()
+    if layout == PACKED:
+        return pack(weight)
+    if layout == COLS:
+        return weight.detach().t().contiguous().t()
+    return weight.detach().contiguous()
+
+
 def use_kernel(model: nn.Module, kernel: LinearKernel) -> None:
-    """Every Linear of the model takes `kernel`, its weight re-laid to the kernel's layout (values
-    unchanged; a weight tied to the embedding keeps its layout: the lookup reads rows)."""
-    tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    """Every Linear of the model takes `kernel`, its weight re-laid to the kernel's layout."""
+    tied = tied_weights(model)
     for module in model.modules():
-        if not isinstance(module, Linear):
-            continue
-        module.kernel = kernel
-        w = module.weight
-        if id(w) in tied or _is_transposed(w) == kernel.transposed:
-            continue
-        data = w.detach().t().contiguous().t() if kernel.transposed else w.detach().contiguous()
-        module.weight = nn.Parameter(data, requires_grad=False)
+        if isinstance(module, Linear):
+            module.kernel = kernel
+            relay(module, kernel.layout, tied)
 
 
-def _is_transposed(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and w.stride() == (1, w.shape[0]) and w.shape[0] > 1
+def tied_weights(model: nn.Module) -> set[int]:
+    """ids of weights an embedding shares: they keep their layout (the lookup reads rows)."""
+    return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+def relay(module: Linear, layout: str, tied: set[int]) -> None:
+    """The module's weight in `layout`, values unchanged (a tied weight keeps its own)."""
+    w = module.weight
+    if id(w) not in tied and layout_of(w) != layout:
+        module.weight = nn.Parameter(lay_out(w, layout), requires_grad=False)
+
+
+def layout_of(w: torch.Tensor) -> str:
+    if w.is_mkldnn:
+        return PACKED
+    return COLS if w.dim() == 2 and w.stride() == (1, w.shape[0]) and w.shape[0] > 1 else ROWS
