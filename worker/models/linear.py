@@ -113,7 +113,7 @@ def tied_weights(model: nn.Module) -> set[int]:
     return {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
-def relay(module: Linear, layout: str, tied: set[int]) -> None:
+def relay(module: Linear, layout: str, tied: frozenset[int] | set[int] = frozenset()) -> None:
     """The module's weight in `layout`, values unchanged (a tied weight keeps its own)."""
     w = module.weight
     if id(w) not in tied and layout_of(w) != layout:
