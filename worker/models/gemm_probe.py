@@ -8,7 +8,7 @@ each is timed once per process on the model's own weights, at a few rows and at 
 The timing is of what a decode step does: one pass over the linears in the order the step runs
 them, each reading its own weight from memory. Timing one layer's weight over and over measured
 caches, not the step: on the Xeon it ranked the paths at 4 rows in the opposite order (MKL over
-a transposed weight 2x ahead of a packed one, which is 1.3x ahead in the pass). The model's weights
+a transposed weight 1.8x ahead of a packed one, which is 1.3x ahead in the pass). The model's weights
 are re-laid in place for each layout in turn (no second copy), the layouts taken in rounds and the
 paths of a layout interleaved, best of the rounds (a loaded host slows all alike), within a time
 budget. An alternative that raises is simply not chosen.
