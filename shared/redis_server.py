@@ -82,6 +82,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def closed_port() -> int:
+    """A port nothing listens on, below the ephemeral range: a connect to a free port inside it
+    can be given that same port as its own and connect to itself (TCP's simultaneous open), so a
+    test of "unreachable" would talk to its own echo."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for port in range(min(low, 32768) - 1, 1024, -1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def free_cluster_port() -> int:
     """A free port whose cluster bus port (port + 10000) is free and valid too."""
     while True:

@@ -15,7 +15,7 @@ from redis.exceptions import ClusterError, CrossSlotTransactionError, SlotNotCov
 
 from gateway.errors import install
 from shared.redis_errors import FAILING_OVER, refusal
-from shared.redis_server import RedisServer, free_port
+from shared.redis_server import RedisServer, closed_port
 
 
 def _parsed(reply: str) -> redis.RedisError:
@@ -58,7 +58,7 @@ def test_a_replica_loading_or_unreachable_redis_is_a_refusal(redis_server):
     assert refusal(loading) == "Redis is loading its data set"
     misconf = _parsed("MISCONF Redis is configured to save RDB snapshots, but ...")
     assert refusal(misconf).startswith("Redis cannot save to disk")
-    gone = redis.Redis(port=free_port(), socket_connect_timeout=0.5)  # nothing listens there
+    gone = redis.Redis(port=closed_port(), socket_connect_timeout=0.5)  # nothing listens there
     assert refusal(_error(gone.ping)) == "Redis is unreachable"
 
 
@@ -77,7 +77,7 @@ def _cluster_errors() -> dict[str, BaseException]:
     reachable (from a real client), a slot no node serves mid-failover, redirections that never
     settle, CLUSTERDOWN and MASTERDOWN replies."""
     async def unreachable() -> BaseException:
-        client = RedisCluster(host="127.0.0.1", port=free_port(), socket_connect_timeout=0.2)
+        client = RedisCluster(host="127.0.0.1", port=closed_port(), socket_connect_timeout=0.2)
         with pytest.raises(BaseException) as info:
             await client.ping()
         return info.value
