@@ -75,6 +75,11 @@ class Outbox:
         stream = stream or self.stream
         self.ops += [("xack", stream, names.CONSUMER_GROUP, entry_id), ("xdel", stream, entry_id)]
 
+    def acking(self) -> set[bytes]:
+        """Entry ids whose acknowledgement is queued, not yet sent: still pending in Redis, but
+        over (a claim of this worker's lost entries must not take them back)."""
+        return {command[3] for command in self.refused + self.ops if command[0] == "xack"}
+
     def flush(self, reads: Sequence[tuple[str, int]] = ()) -> list | None:
         """Send what Redis refused before, then everything queued, then read up to `count` new
         entries of each (stream, count) in `reads` (without blocking), in one round trip. The

@@ -144,7 +144,7 @@ class WorkerService:
         the last one moved (what the last flush read, then orphans; when the engine is idle, a
         short blocking read)."""
         room = self.engine.free_capacity() or self._make_room()
-        self.consumer.take(room, idle=not self.engine.has_unfinished(), known=self.inflight.entry_ids)
+        self.consumer.take(room, idle=not self.engine.has_unfinished(), known=self._known_entries)
         for _ in range(room):
             if (pending := self.consumer.next()) is None:
                 break
@@ -154,6 +154,11 @@ class WorkerService:
                 self.consumer.put_back([pending])
                 raise
             self._started(pending)
+
+    def _known_entries(self) -> set[bytes]:
+        """This worker's entries that are not lost: in flight, or over with their ack still queued
+        (a request cancelled in this iteration: claimed back, it was counted aborted twice)."""
+        return self.inflight.entry_ids() | self.outbox.acking()
 
     def _make_room(self) -> int:
         """A full batch, under the fair order: when the next entry's tenant is below its share of

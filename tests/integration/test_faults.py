@@ -197,7 +197,10 @@ def test_worker_killed_mid_stream_its_requests_resume_on_the_other(cluster):
 
 def test_disconnected_clients_free_every_block_and_leave_no_untimed_keys(cluster):
     cluster.start_gateway()
-    cluster.start_worker("w1")
+    # Steps slowed (20 ms: 1500 tokens take 30 s): a client that left is cancelled by the sweep
+    # once its resume grace (3 s) lapses, and unslowed on a fast host (an Intel Xeon) a dozen of
+    # the 100 streams finished all their tokens first and were settled as done, never aborted
+    cluster.start_worker("w1", KVGATE_FAULT_STEP_MS="20")
     idle = cluster.info("w1")["stats"]
     n = 100
 
@@ -224,7 +227,9 @@ def test_disconnected_clients_free_every_block_and_leave_no_untimed_keys(cluster
     info = cluster.info("w1")
     print(f"\n[fault 2] {info['requests_aborted']} aborted, all blocks back {took:.2f}s after the "
           f"first client left; free blocks {info['stats']['num_free_blocks']}/{info['stats']['num_blocks']}")
-    assert info["requests_aborted"] >= n and info["active"] == 0
+    # each once: an entry whose ack was still queued when the worker looked for its lost entries
+    # was claimed back and counted aborted again (102-174 of 100 before)
+    assert info["requests_aborted"] == n and info["active"] == 0
     assert info["stats"]["num_running"] == 0 and info["stats"]["num_waiting"] == 0
     assert info["stats"]["num_free_blocks"] == idle["num_free_blocks"] == idle["num_blocks"]
     untimed = [k.decode() for k in cluster.client.scan_iter("*") if cluster.client.ttl(k) == -1]
