@@ -40,6 +40,9 @@ _CODE = re.compile(r"(?<!\w)(" + "|".join(REFUSALS) + r")\b")
 # What a Redis outage may raise: redis-py's cluster client raises some errors (no node reachable, a
 # slot not covered during a failover) that are not RedisError. Catch this, not RedisError alone.
 REDIS_ERRORS = (redis.RedisError, exceptions.RedisClusterException)
+# redis-py 8.2 raises its own subclass when no node of a cluster answers; before, the base class
+# with "cannot be connected" in its text (the base's other uses are bugs: cross-slot, unsupported)
+_UNREACHABLE = getattr(exceptions, "RedisClusterUnreachableError", None)
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -50,6 +53,8 @@ def refusal(exc: BaseException) -> str | None:
     if isinstance(exc, (exceptions.AuthenticationError, exceptions.AuthorizationError)):
         return "Redis refused this process's credentials (check KVGATE_REDIS_URL)"
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return "Redis is unreachable"
+    if _UNREACHABLE is not None and isinstance(exc, _UNREACHABLE):
         return "Redis is unreachable"
     if type(exc) is exceptions.RedisClusterException and "cannot be connected" in str(exc):
         return "Redis is unreachable"  # no node of the cluster answered (its subclasses are bugs)
