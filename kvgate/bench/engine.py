@@ -194,7 +194,7 @@ def workload_1(model_dir: Path, sizes: Sizes) -> dict:
     result = run_engine(engine, reqs)
     engine_tps = result["tokens"] / result["seconds"]
     params = matmul_params(engine)
-    kernels = engine.runner.kernels
+    kernels, prefetch = engine.runner.kernels, engine.runner.decode_prefetch
     embed_params = engine.runner.model.model.embed_tokens.weight.numel()
     dtype = engine.runner.dtype
     del engine
@@ -211,7 +211,7 @@ def workload_1(model_dir: Path, sizes: Sizes) -> dict:
         "static_tok_s": static_tps, "engine_tok_s": engine_tps, "vs_sequential": engine_tps / seq_tps,
         "vs_static": engine_tps / static_tps, "mm_peak_flops": peak, "engine_gemm_peak_flops": gemm_peak,
         "matmul_params": params, "linear_kernel": kernels.label(), "linear_kernel_source": kernels.source,
-        "linear_kernel_timings_ms": kernels.timings_ms, **shares,
+        "linear_kernel_timings_ms": kernels.timings_ms, "decode_prefetch": prefetch, **shares,
     }
 
 
@@ -373,7 +373,8 @@ def format_table(report: dict) -> str:
     rows.append(f"tok/s: sequential {w1['sequential_tok_s']:.1f}, static {w1['static_tok_s']:.1f}, "
                 f"engine {w1['engine_tok_s']:.1f}; decode {w1['decode_flops'] / 1e9:.1f} GFLOP/s "
                 f"vs torch.mm peak {w1['mm_peak_flops'] / 1e9:.1f} (engine GEMM peak "
-                f"{w1['engine_gemm_peak_flops'] / 1e9:.1f}: {w1['flops_share_vs_engine_gemm_peak']:.0%}); linear kernel {w1['linear_kernel']}")
+                f"{w1['engine_gemm_peak_flops'] / 1e9:.1f}: {w1['flops_share_vs_engine_gemm_peak']:.0%}); "
+                f"linear kernel {w1['linear_kernel']}, decode prefetch {w1.get('decode_prefetch', '-')}")
     return "\n".join(rows)
 
 

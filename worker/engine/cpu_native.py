@@ -21,9 +21,12 @@ import logging
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
+
+from worker.engine.kv_budget import cdiv
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +39,15 @@ _FAST_C = r"""
 /* One query token per sequence, K/V read in place block by block: scores, softmax, weighted V.
    HEAD_DIM is fixed at compile time so the inner loops unroll into a few vector FMAs. */
 #define KV_HEAD(h) (G == 1 ? (h) : (h) / G) /* no integer division per token and head without GQA */
-/* The next block's cache lines asked for while this one is computed: blocks sit anywhere in the
-   cache, so the hardware prefetcher stops at every block's end (7-10 % of the kernel on a Xeon). */
+/* With `pf`, the next block's cache lines are asked for while this one is computed: blocks sit
+   anywhere in the cache, so the hardware prefetcher stops at every block's end. That was 5-7 % of
+   the kernel on an Intel Xeon and cost 7-10 % on an AMD EPYC, so it is timed at start-up (below). */
 static inline void prefetch(const float* p, size_t n) {
   for (size_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 3);
 }
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
                       float* out, int B, int Hq, int Hkv, int bs, int bt_stride, int q_stride, float scale,
-                      int nthreads) {
+                      int pf, int nthreads) {
   const int G = Hq / Hkv;
   const size_t row_len = (size_t)Hkv * HEAD_DIM, block_len = row_len * bs;
   #pragma omp parallel num_threads(nthreads)
@@ -58,7 +62,8 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
       for (int t0 = 0; t0 < L; t0 += bs) {
         const float* k = kc + (size_t)row[t0 / bs] * block_len;
         const int n = L - t0 < bs ? L - t0 : bs;
-        prefetch(t0 + bs < L ? kc + (size_t)row[t0 / bs + 1] * block_len : vc + (size_t)row[0] * block_len, block_len);
+        if (pf) prefetch(t0 + bs < L ? kc + (size_t)row[t0 / bs + 1] * block_len : vc + (size_t)row[0] * block_len,
+                         block_len);
         for (int o = 0; o < n; o++, k += row_len)
           for (int h = 0; h < Hq; h++) {
             const float* kh = k + KV_HEAD(h) * HEAD_DIM; const float* qh = qb + h * HEAD_DIM;
@@ -82,7 +87,7 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
       for (int t0 = 0; t0 < L; t0 += bs) {
         const float* v = vc + (size_t)row[t0 / bs] * block_len;
         const int n = L - t0 < bs ? L - t0 : bs;
-        if (t0 + bs < L) prefetch(vc + (size_t)row[t0 / bs + 1] * block_len, block_len);
+        if (pf && t0 + bs < L) prefetch(vc + (size_t)row[t0 / bs + 1] * block_len, block_len);
         for (int o = 0; o < n; o++, v += row_len)
           for (int h = 0; h < Hq; h++) {
             const float* vh = v + KV_HEAD(h) * HEAD_DIM; const float p = sc[h * L + t0 + o];
@@ -201,6 +206,48 @@ class CpuKernels:
 
     def __init__(self, lib: ctypes.CDLL, head_dim: int):
         self.lib, self.head_dim = lib, head_dim
+        self.prefetch = False  # decode attention's block prefetch: choose_prefetch times it
+
+    def choose_prefetch(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], num_heads: int,
+                        rows: int) -> dict[str, float]:
+        """Decode attention with and without its block prefetch, timed over the engine's own KV
+        caches as a decode step reads them (each layer in turn, `rows` sequences of PROBE_CONTEXT
+        tokens on blocks spread over the pool, up to PROBE_BYTES a pass), best of PROBE_ROUNDS
+        interleaved; keeps the faster. The prefetch changes no result, only the speed, and which
+        is faster differs between CPU families. Returns ms per pass, "on" and "off"."""
+        k0 = kv_caches[0][0]
+        pool, block_size = k0.shape[:2]
+        per_seq = cdiv(PROBE_CONTEXT, block_size)
+        rows = min(rows, pool // per_seq)
+        if rows < 1:  # a pool smaller than one probe sequence: nothing there to time
+            self.prefetch = False
+            return {}
+        row_bytes = 2 * k0[0].numel() * k0.element_size() * per_seq  # K and V of one sequence a layer
+        layers = kv_caches[:max(1, min(len(kv_caches), PROBE_BYTES // (rows * row_bytes)))]
+        key = (tuple(k0.shape), len(layers), num_heads, rows, torch.get_num_threads())
+        if key not in _PREFETCH_TIMINGS:
+            gen = torch.Generator().manual_seed(0)
+            query = torch.randn(rows, num_heads, self.head_dim, generator=gen)
+            tables = [torch.randperm(pool, generator=gen)[:rows * per_seq].view(rows, per_seq).to(torch.int32)
+                      for _ in layers]
+            lens = torch.full((rows,), PROBE_CONTEXT, dtype=torch.int32)
+
+            def one_pass(prefetch: bool) -> float:
+                self.prefetch = prefetch
+                start = time.perf_counter()
+                for (k, v), table in zip(layers, tables):
+                    self.paged_decode(query, k, v, table, lens, 1.0)
+                return (time.perf_counter() - start) * 1e3
+
+            one_pass(False)  # the pages and the library warm
+            best = {"on": float("inf"), "off": float("inf")}
+            for _ in range(PROBE_ROUNDS):
+                for name in best:
+                    best[name] = min(best[name], one_pass(name == "on"))
+            _PREFETCH_TIMINGS[key] = best
+        timings = _PREFETCH_TIMINGS[key]
+        self.prefetch = timings["on"] < timings["off"]
+        return timings
 
     @staticmethod
     def usable(*tensors: torch.Tensor) -> bool:
@@ -216,7 +263,7 @@ class CpuKernels:
         out = torch.empty(query.shape, dtype=query.dtype)
         self.lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, block_size,
-                                  tables.shape[1], q.stride(0), scale, torch.get_num_threads())
+                                  tables.shape[1], q.stride(0), scale, int(self.prefetch), torch.get_num_threads())
         return out
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> bool:
@@ -280,6 +327,11 @@ class CpuKernels:
         return out
 
 
+PROBE_CONTEXT, PROBE_ROUNDS = 128, 3
+PROBE_BYTES = 256 << 20  # a pass reads this much K/V at most (beyond the caches, ~10-20 ms on 2 cores)
+_PREFETCH_TIMINGS: dict[tuple, dict[str, float]] = {}  # one probe per process per cache shape
+
+
 def _rows_of(t: torch.Tensor, width: int) -> bool:
     """[T, heads, dim] whose rows are `width` contiguous floats each (any row stride): a view of
     the q, k or v heads in qkv rows, as the kernels read them."""
@@ -288,7 +340,7 @@ def _rows_of(t: torch.Tensor, width: int) -> bool:
 
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I],
+    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _I],
     "write_kv_f32": [_P] * 5 + [_I] * 4 + [ctypes.c_int64, _I],
     "add_rmsnorm_f32": [_P] * 4 + [_I, _I, _F, _I],
     "head_rmsnorm_f32": [_P, _P] + [_I] * 5 + [_F, _I],

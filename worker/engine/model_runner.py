@@ -108,6 +108,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(model_cfg.num_layers)
         ]
+        self.decode_prefetch = self._choose_prefetch(config, model_cfg)
         self.rank_memory = self._rank_memory()
         self.kv = replace(self.kv, tp_size=self.shard.size, ranks=tuple(self.rank_memory),
                           linear_kernel=self.kernels.label())
@@ -125,6 +126,19 @@ class ModelRunner:
         use_kernel(self.model, choice.kernel)
         log.info("linear kernel %s (%s)", choice.label(), choice.source,
                  extra={"linear_kernel": choice.label(), "linear_kernel_timings_ms": choice.timings_ms})
+        return choice
+
+    def _choose_prefetch(self, config: EngineConfig, model_cfg: ModelConfig) -> str:
+        """Whether the native decode attention prefetches the next KV block: timed on this CPU over
+        the caches just allocated (cpu_native.py); "n/a" without the native kernels or under
+        tensor parallelism (its ranks share the cores, the timing would measure each other)."""
+        if self.cpu_kernels is None or self.shard.size > 1:
+            return "n/a"
+        timings = self.cpu_kernels.choose_prefetch(self.kv_caches, model_cfg.num_heads,
+                                                   min(config.max_num_seqs, 64))
+        choice = "on" if self.cpu_kernels.prefetch else "off"
+        log.info("decode attention prefetch %s", choice,
+                 extra={"decode_prefetch": choice, "decode_prefetch_timings_ms": timings})
         return choice
 
     def _rank_memory(self) -> list[dict]:

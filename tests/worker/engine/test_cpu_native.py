@@ -140,3 +140,36 @@ def test_paged_decode_reads_query_heads_in_place_from_qkv_rows(ops):
     assert not q.is_contiguous()
     assert torch.equal(ops.paged_decode(q, k_cache, v_cache, tables, lens, 0.25),
                        ops.paged_decode(q.contiguous(), k_cache, v_cache, tables, lens, 0.25))
+
+
+def test_the_decode_prefetch_changes_no_result_and_the_probe_keeps_the_faster(ops):
+    g = torch.Generator().manual_seed(8)
+    heads, kv_heads, block_size, pool = 4, 2, 16, 64
+    caches = [tuple(torch.randn(pool, block_size, kv_heads, HEAD_DIM, generator=g) for _ in range(2))
+              for _ in range(3)]
+    q = torch.randn(5, heads, HEAD_DIM, generator=g)
+    tables = torch.randperm(pool, generator=g)[:5 * 8].view(5, 8).to(torch.int32)
+    lens = torch.tensor([1, 16, 17, 100, 128], dtype=torch.int32)  # one block, a boundary, a partial one
+    outs = []
+    for prefetch in (False, True):
+        ops.prefetch = prefetch
+        outs.append(ops.paged_decode(q, caches[0][0], caches[0][1], tables, lens, 0.25))
+    assert torch.equal(*outs)
+    cpu_native._PREFETCH_TIMINGS.clear()
+    timings = ops.choose_prefetch(caches, heads, rows=64)
+    assert set(timings) == {"on", "off"} and all(t > 0 for t in timings.values())
+    assert ops.prefetch == (timings["on"] < timings["off"])
+    assert len(cpu_native._PREFETCH_TIMINGS) == 1  # rows capped at what the pool holds: 64 // 8 = 8
+    assert next(iter(cpu_native._PREFETCH_TIMINGS))[3] == pool // 8
+    ops.prefetch = True
+    assert ops.choose_prefetch([(c[:4], c[:4]) for c, _ in caches], heads, rows=8) == {}  # 4 blocks < 8
+    assert ops.prefetch is False
+
+
+def test_the_engine_times_the_decode_prefetch_at_start_up_and_says_which(build_tiny):
+    llm = LLM(str(build_tiny("llama")), max_num_seqs=4)
+    runner = llm.engine.runner
+    assert runner.decode_prefetch in ("on", "off") and runner.cpu_kernels is not None
+    assert runner.cpu_kernels.prefetch == (runner.decode_prefetch == "on")
+    torch_only = LLM(str(build_tiny("llama")), max_num_seqs=4, attention_backend="torch")
+    assert torch_only.engine.runner.decode_prefetch == "n/a"
