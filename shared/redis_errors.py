@@ -40,9 +40,10 @@ _CODE = re.compile(r"(?<!\w)(" + "|".join(REFUSALS) + r")\b")
 # What a Redis outage may raise: redis-py's cluster client raises some errors (no node reachable, a
 # slot not covered during a failover) that are not RedisError. Catch this, not RedisError alone.
 REDIS_ERRORS = (redis.RedisError, exceptions.RedisClusterException)
-# redis-py 8.2 raises its own subclass when no node of a cluster answers; before, the base class
-# with "cannot be connected" in its text (the base's other uses are bugs: cross-slot, unsupported)
-_UNREACHABLE = getattr(exceptions, "RedisClusterUnreachableError", None)
+# Redis is unreachable: no connection, or no node of a cluster answered (redis-py 8.2 raises its own
+# subclass for that; before it, the base class with "cannot be connected" in its text, matched below)
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError,
+                *filter(None, [getattr(exceptions, "RedisClusterUnreachableError", None)]))
 
 
 def refusal(exc: BaseException) -> str | None:
@@ -52,12 +53,9 @@ def refusal(exc: BaseException) -> str | None:
             return why
     if isinstance(exc, (exceptions.AuthenticationError, exceptions.AuthorizationError)):
         return "Redis refused this process's credentials (check KVGATE_REDIS_URL)"
-    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+    if isinstance(exc, _UNREACHABLE) or (  # the base class's other uses are bugs: cross-slot, unsupported
+            type(exc) is exceptions.RedisClusterException and "cannot be connected" in str(exc)):
         return "Redis is unreachable"
-    if _UNREACHABLE is not None and isinstance(exc, _UNREACHABLE):
-        return "Redis is unreachable"
-    if type(exc) is exceptions.RedisClusterException and "cannot be connected" in str(exc):
-        return "Redis is unreachable"  # no node of the cluster answered (its subclasses are bugs)
     # a pipeline's error names its command first ("Command # 1 (SET k v) of pipeline caused error: ")
     text = str(exc).split("caused error: ", 1)[-1]
     if isinstance(exc, redis.ResponseError) and (match := _CODE.search(text)):
