@@ -9,7 +9,8 @@
 plus the TTFT that gateway + Redis add over the same engine called in-process.
 The target figures are measured in `rounds` rounds within the one run, and reported with their spread.
 `--only overhead` runs part 2 alone (minutes) and merges it into the last full run's results;
-`--only added` the added TTFT alone, `--only engines` part 1 alone, likewise.
+`--only added` the added TTFT alone, `--only engines` part 1 alone, likewise; with no earlier run in
+`--out-dir` the report goes to OUT_DIR/docs, leaving the published one as it is.
 Results go to docs/performance.md (its serve section), docs/perf/*.png and docs/perf/bench.json.
 """
 from __future__ import annotations
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke check, not figures)")
     ap.add_argument("--only", choices=sorted(ONLY), help="run only one part (overhead: the gateways; added: the "
                     "TTFT gateway + Redis add; engines: paged vs naive) and merge it into the last run's results "
-                    "(OUT_DIR/results.json) if there is one")
+                    "(OUT_DIR/results.json) if there is one, else write the report to OUT_DIR/docs")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per target figure [default: 3]")
     ap.add_argument("--client-processes", type=int, default=None, help="client processes for the ramp [default: 2]")
     ap.add_argument("--out-dir", default="bench-out/serve", help="logs and stack state")
@@ -385,10 +386,10 @@ def main(argv: list[str] | None = None) -> int:
     steps = [("engines", bench.engines), ("gateways", lambda: bench.gateways(found, skipped)),
              ("prefix", bench.prefix), ("mix_added", bench.mix_and_added)]
     raw = procs.log_dir / "results.json"
-    results = {}
+    results, docs = {}, Path(args.docs)
     if args.only:  # the other parts come from the last run, as they were
         steps = [(ONLY[args.only], dict(steps).get(ONLY[args.only], bench.added))]
-        results = json.loads(raw.read_text()) if raw.exists() else {}
+        results, docs = earlier_run(raw, docs)
     results.update(loadavg_start=os.getloadavg()[0], cpu_model=cpu_model())  # the machine is shared: say how busy
     try:
         for name, step in steps:
@@ -405,8 +406,18 @@ def main(argv: list[str] | None = None) -> int:
     results["quick"] = args.quick
     results["only"] = args.only
     raw.write_text(json.dumps(results) + "\n")  # raw, for --from-results and the next --only run
-    write_report(results, Path(args.docs), quick=args.quick)
+    write_report(results, docs, quick=args.quick)
     return 0
+
+
+def earlier_run(raw: Path, docs: Path) -> tuple[dict, Path]:
+    """An `--only` run's starting results and where its report goes: the last run's results beside
+    the published docs, or none and a folder beside `raw` (a report of one part would replace the
+    published table's other figures with "not measured")."""
+    if raw.exists():
+        return json.loads(raw.read_text()), docs
+    print(f"no earlier run in {raw.parent}: the report goes to {raw.parent / 'docs'}, not {docs}", flush=True)
+    return {}, raw.parent / "docs"
 
 
 ONLY = {"overhead": "gateways", "added": "ttft_added", "engines": "engines"}  # --only: the results' part

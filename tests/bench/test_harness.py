@@ -131,3 +131,13 @@ def test_cpu_per_request_reads_each_role_and_divides_by_the_requests():
     assert out["gateway"]["total_ms"] == pytest.approx(out["gateway"]["user_ms"] + out["gateway"]["system_ms"], abs=2e-3)
     assert per_request({"worker": (1.0, 0.5)}, {"worker": (1.2, 0.5), "redis": (9.0, 9.0)}, 4) == {
         "worker": {"user_ms": 50.0, "system_ms": 0.0, "total_ms": 50.0}}  # only roles read both times
+
+
+def test_an_only_run_without_an_earlier_one_leaves_the_published_report_alone(tmp_path):
+    from kvgate.bench.compare import earlier_run
+
+    raw, docs = tmp_path / "out" / "results.json", tmp_path / "docs"
+    raw.parent.mkdir()
+    assert earlier_run(raw, docs) == ({}, tmp_path / "out" / "docs")
+    raw.write_text('{"engines": {"levels": []}}\n')
+    assert earlier_run(raw, docs) == ({"engines": {"levels": []}}, docs)
