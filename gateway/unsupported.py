@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from shared.errors import InvalidRequest
@@ -59,9 +60,16 @@ def check_supported(body) -> None:
 
 def _refused(rule: Refused, body) -> bool:
     extra = body.model_extra or {}
-    if rule.field in type(body).model_fields:
+    if rule.field in _declared(type(body)):
         return rule.when is not None and rule.when(getattr(body, rule.field), body)
     if rule.field not in extra:
         return False
     value = extra[rule.field]
     return value is not None if rule.when is None else rule.when(value, body)
+
+
+@cache
+def _declared(schema: type) -> frozenset[str]:
+    """The fields a request schema declares, once per schema: pydantic's `model_fields` is a
+    deprecation-checking property that cost ~5 % of the gateway's CPU read 20 times a request."""
+    return frozenset(schema.model_fields)
