@@ -5,7 +5,8 @@ worker dies in between, the resuming worker re-sends that sequence number and th
 the duplicate). A step's replies to one gateway go in one message, and a log's TTL is refreshed
 every TTL_REFRESH replies rather than on each, so a step of 64 streams costs ~65 commands, not 192.
 The worker's next reads ride in the same pipeline: one round trip per engine step, which is most of
-a step's cost when the engine is fast (Redis shares the machine's cores).
+a step's cost when the engine is fast (Redis shares the machine's cores); a loop that admitted a
+stream flushes its verdict once more, before the step (worker/service.py).
 
 While Redis refuses (unreachable, full, read-only, not saving, loading: shared/redis_errors.py) the
 commands it refused are kept, in order, and sent first by the next flush; the worker does not step

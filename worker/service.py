@@ -121,6 +121,11 @@ class WorkerService:
                 return
         else:
             self._pull()
+            if not self.outbox.empty:  # what admission answered (a stream's verdict) goes out now,
+                # not after the step: the gateway sends the 200 while the prompt is prefilled
+                self.outbox.flush()
+                if self.outbox.refused:
+                    return
         self._step()
         self.inflight.release_due()
         reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity(), self.yielding,

@@ -6,6 +6,7 @@ number is used twice or skipped.
 One real worker process on a real Redis, fed by XADD as a gateway would."""
 from __future__ import annotations
 
+import orjson
 import pytest
 
 from shared import names, protocol
@@ -33,6 +34,22 @@ def test_an_admitted_request_gets_the_verdict_first(cluster):
     assert [r["seq"] for r in replies] == list(range(1, 9))  # verdict, 6 tokens, done
     assert _is_verdict(replies[0]) and not any(_is_verdict(r) for r in replies[1:])
     assert replies[-1]["type"] == "done" and replies[-1]["completion_tokens"] == 6
+
+
+def test_a_streams_verdict_goes_out_before_the_step_of_its_first_token(cluster):
+    """Published alone, before the engine steps: the gateway sends the stream's 200 while the prompt
+    is prefilled, instead of after it together with the first token."""
+    ch = Channel(cluster, "early")
+    xadd(cluster, protocol.encode(entry("early", ch.name, prompt="Hello there")))
+    messages = []
+    while not messages or messages[-1][-1]["type"] != "done":
+        message = ch.pubsub.get_message(timeout=20)
+        assert message is not None, messages
+        if message["type"] == "message":
+            items = orjson.loads(message["data"])
+            messages.append(items if isinstance(items, list) else [items])
+    assert len(messages[0]) == 1 and _is_verdict(messages[0][0]), messages[0]
+    assert [r["seq"] for m in messages for r in m] == list(range(1, 9))
 
 
 def test_a_refused_request_gets_only_its_error(cluster):
