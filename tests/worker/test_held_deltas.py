@@ -7,7 +7,6 @@ Real worker processes on a real Redis, fed by XADD as a gateway would: `held` wi
 KVGATE_HOLD_S=0 (every delta as it comes), `patient` with a first hold longer than any answer here."""
 from __future__ import annotations
 
-import orjson
 import pytest
 
 from shared import names, protocol
@@ -76,13 +75,7 @@ def test_a_whole_answer_done_within_the_first_hold_is_one_message(cluster):
     ch = Channel(cluster, "patient")
     e = entry("patient", ch.name, prompt="Hello there", streamed=False).model_copy(update={"version": "v4"})
     _send(cluster, e)
-    messages = []
-    while not messages or messages[-1][-1]["type"] != "done":
-        message = ch.pubsub.get_message(timeout=20)
-        assert message is not None, messages
-        if message["type"] == "message":
-            items = orjson.loads(message["data"])
-            messages.append(items if isinstance(items, list) else [items])
+    messages = ch.messages()
     assert len(messages) == 1, messages
     [replies] = messages
     assert [r["seq"] for r in replies] == [1, 2, 3]

@@ -52,6 +52,17 @@ class Channel:
                     self.got.setdefault(item.get("request_id"), []).append(item)
         return self.got[request_id]
 
+    def messages(self, timeout: float = 20) -> list[list[dict]]:
+        """Each pub/sub message (its replies, as JSON) up to the one that ends with a done."""
+        messages: list[list[dict]] = []
+        while not messages or messages[-1][-1]["type"] != "done":
+            message = self.pubsub.get_message(timeout=timeout)
+            assert message is not None, messages
+            if message["type"] == "message":
+                items = orjson.loads(message["data"])
+                messages.append(items if isinstance(items, list) else [items])
+        return messages
+
 
 def entry(request_id: str, channel: str, **fields) -> protocol.RequestEntry:
     return wire_entry(request_id, channel, max_tokens=6, **fields)
