@@ -71,5 +71,5 @@ def _refused(rule: Refused, body) -> bool:
 @cache
 def _declared(schema: type) -> frozenset[str]:
     """The fields a request schema declares, once per schema: pydantic's `model_fields` is a
-    deprecation-checking property that cost ~5 % of the gateway's CPU read 20 times a request."""
+    deprecation-checking property (~0.4 µs a read), read once per rule it was half of the check."""
     return frozenset(schema.model_fields)
