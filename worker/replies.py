@@ -6,7 +6,8 @@ the duplicate). A step's replies to one gateway go in one message, and a log's T
 every TTL_REFRESH replies rather than on each, so a step of 64 streams costs ~65 commands, not 192.
 The worker's next reads ride in the same pipeline: one round trip per engine step, which is most of
 a step's cost when the engine is fast (Redis shares the machine's cores); a loop that admitted a
-stream flushes its verdict once more, before the step (worker/service.py).
+stream flushes its verdict once more, before a step that takes longer than that round trip
+(worker/service.py).
 
 While Redis refuses (unreachable, full, read-only, not saving, loading: shared/redis_errors.py) the
 commands it refused are kept, in order, and sent first by the next flush; the worker does not step
@@ -16,6 +17,7 @@ failed for good (NOGROUP: the stream is gone, so is the entry to ack; WRONGTYPE)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import redis
@@ -43,6 +45,7 @@ class Outbox:
         self.ops: list[tuple] = []  # after the PUBLISHes: logs, TTLs, acks
         self.refused: list[tuple] = []  # commands Redis refused for now, in order: sent first next flush
         self.cluster = is_cluster(client)  # a cluster pipeline refuses PUBLISH: sent on its own
+        self.round_trip_s = 0.0  # how long the last flush that sent anything took
 
     @property
     def empty(self) -> bool:
@@ -94,11 +97,13 @@ class Outbox:
         self.outgoing.clear()
         if not commands and not reads:
             return []
+        started = time.perf_counter()
         try:
             results = self._execute(commands, reads)
         except REDIS_ERRORS as exc:  # no answer at all: resent whole (a duplicate is harmless)
             self._hold(commands, commands, exc, was_refused)
             return None
+        self.round_trip_s = time.perf_counter() - started
         refused = [(c, r) for c, r in zip(commands, results) if isinstance(r, Exception)]
         self._hold([c for c, r in refused if refusal(r) is not None], commands,
                    refused[0][1] if refused else None, was_refused)

@@ -11,6 +11,7 @@ in the consumer's backlog, what was not sent in the outbox; both go on when Redi
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -63,6 +64,7 @@ class WorkerService:
         self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
                                    self.inflight, markers, self.heard)
         self.heartbeat = Heartbeat(self.redis, settings, self.stopping, self.registry_entry)
+        self.step_s = math.inf  # how long the last engine step took (none yet: assume long)
 
     def run(self) -> None:
         self._until_redis(self.consumer.ensure_groups)
@@ -121,8 +123,7 @@ class WorkerService:
                 return
         else:
             self._pull()
-            if not self.outbox.empty:  # what admission answered (a stream's verdict) goes out now,
-                # not after the step: the gateway sends the 200 while the prompt is prefilled
+            if self._answer_first():
                 self.outbox.flush()
                 if self.outbox.refused:
                     return
@@ -135,12 +136,22 @@ class WorkerService:
         if not self.outbox.refused:
             self.backoff.reset()
 
+    def _answer_first(self) -> bool:
+        """What admission answered (a stream's verdict) goes out ahead of the step when the step
+        takes longer than the round trip: the gateway then sends the 200 while the prompt is
+        prefilled instead of after it; an engine faster than Redis (the synthetic one) sends it
+        with the first token, as one round trip (docs/performance.md, "The verdict before the
+        prefill")."""
+        return not self.outbox.empty and self.step_s > self.outbox.round_trip_s
+
     def _step(self) -> None:
         outputs = []
         if self.engine.has_unfinished():
+            started = time.perf_counter()
             outputs = self.engine.step()
             self.inflight.collect(outputs)
             self.admission.faults.pause_step()
+            self.step_s = time.perf_counter() - started
         if self.fair is not None:  # each tenant charged its tokens of this step
             self.fair.served(outputs, alive=self.inflight.__contains__)
 

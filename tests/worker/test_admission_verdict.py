@@ -1,9 +1,11 @@
 """The admission verdict: a worker that starts a request first sends it an empty delta (seq 1), so a
 gateway may hold a stream's 200 until it knows the request was admitted; a refusal is the first
 reply instead. A takeover sends a verdict only when its request's log holds none, so no sequence
-number is used twice or skipped.
+number is used twice or skipped. A stream's verdict goes out ahead of a step that takes longer than
+a round trip to Redis.
 
-One real worker process on a real Redis, fed by XADD as a gateway would."""
+Real worker processes on a real Redis, fed by XADD as a gateway would: `w1`, and `slow` (v2), whose
+every step is 50 ms longer (a slow device), so its steps outlast any round trip on any machine."""
 from __future__ import annotations
 
 import pytest
@@ -16,7 +18,10 @@ from tests.worker.test_wire_schemas import Channel, entry, orphan, xadd
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model_dir):
     c = Cluster(tmp_path_factory.mktemp("verdict"), tiny_model_dir)
-    c.start_worker("w1")
+    started = {"w1": c.spawn_worker("w1"),  # side by side, then each waited for
+               "slow": c.spawn_worker("slow", "--version", "v2", KVGATE_FAULT_STEP_MS="50")}
+    for name, proc in started.items():
+        c.worker_ready(name, proc)
     yield c
     c.close()
 
@@ -35,14 +40,16 @@ def test_an_admitted_request_gets_the_verdict_first(cluster):
     assert replies[-1]["type"] == "done" and replies[-1]["completion_tokens"] == 6
 
 
-def test_a_streams_verdict_goes_out_before_the_step_of_its_first_token(cluster):
+def test_a_streams_verdict_goes_out_before_a_long_step(cluster):
     """Published alone, before the engine steps: the gateway sends the stream's 200 while the prompt
     is prefilled, instead of after it together with the first token."""
-    ch = Channel(cluster, "early")
-    xadd(cluster, protocol.encode(entry("early", ch.name, prompt="Hello there")))
-    messages = ch.messages()
-    assert len(messages[0]) == 1 and _is_verdict(messages[0][0]), messages[0]
-    assert [r["seq"] for m in messages for r in m] == list(range(1, 9))
+    for rid in ("early", "early-again"):  # its first request, and one after it has timed its steps
+        ch = Channel(cluster, rid)
+        e = entry(rid, ch.name, prompt="Hello there").model_copy(update={"version": "v2"})
+        cluster.client.xadd(names.request_stream("demo", "v2"), {protocol.ENTRY_FIELD: protocol.encode(e)})
+        messages = ch.messages()
+        assert len(messages[0]) == 1 and _is_verdict(messages[0][0]), messages[0]
+        assert [r["seq"] for m in messages for r in m] == list(range(1, 9))
 
 
 def test_a_refused_request_gets_only_its_error(cluster):
