@@ -70,9 +70,10 @@ def test_admission_rejects_what_could_never_run_and_names_the_numbers(model_dir)
 def test_free_capacity_and_stats(model_dir):
     engine = LLMEngine.from_model_dir(model_dir, max_num_seqs=4, num_blocks=8, block_size=16)
     assert engine.free_capacity() == 4
-    engine.add_request("a", list(range(3, 40)), SamplingParams(max_tokens=8))  # 3 blocks owed
+    params = SamplingParams(max_tokens=8, ignore_eos=True)  # sampled unseeded: an EOS would end one early
+    engine.add_request("a", list(range(3, 40)), params)  # 3 blocks owed
     assert engine.free_capacity() == 3
-    engine.add_request("b", list(range(3, 80)), SamplingParams(max_tokens=8))  # 5 more: none left
+    engine.add_request("b", list(range(3, 80)), params)  # 5 more: none left
     assert engine.free_capacity() == 0
     stats = engine.stats()
     assert stats == {"num_running": 0, "num_waiting": 2, "kv_usage": 0.0, "prefix_cache_queries": 0,
