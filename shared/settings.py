@@ -211,8 +211,9 @@ class WorkerSettings(CommonSettings):
                                    "native fp32 kernels, docs/engine.md), torch (pure torch) or triton")
     cpu_linear_kernel: str = Field("auto", description="The linears' GEMM path on CPU: auto "
                                    "(oneDNN or MKL over row-major, transposed or oneDNN-packed "
-                                   "weights: timed at load on the model's own weights, fp32 on CPU) "
-                                   "or one of onednn, aten, onednn_t, aten_t, onednn_p (forced; "
+                                   "weights, or kvgate's own GEMM over weights in panels: timed at "
+                                   "load on the model's own weights, fp32 on CPU) or one of onednn, "
+                                   "aten, onednn_t, aten_t, onednn_p, native (forced; "
                                    "`kvgate_engine_kernel_info` says which ran)")
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "
                                 "are captured at start-up)")

@@ -148,9 +148,10 @@ def hf_static(model, reqs, batch: int = 8) -> float:
 
 
 def matmul_params(engine: LLMEngine) -> int:
-    """Weights that take part in a matmul per token: every layer plus lm_head, not the embedding lookup."""
-    return sum(p.numel() for name, p in engine.runner.model.named_parameters()
-               if p.dim() == 2 and "embed_tokens" not in name)
+    """Weights that take part in a matmul per token: every layer plus lm_head, not the embedding lookup
+    (a weight in the native GEMM's panels counts its real output width, not the padding)."""
+    return sum(p.n_out * p.shape[1] if p.dim() == 3 else p.numel()
+               for name, p in engine.runner.model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in name)
 
 
 def run_engine(engine: LLMEngine, reqs, on_step=None) -> dict:

@@ -7,11 +7,13 @@ is one) for this machine (`-march=native`, so AMD and Intel each get their own v
 
 Each fused kernel replaces 3-8 torch ops, each its own dispatch, allocation and pass over memory:
 together ~10 % of a decode step on 2 cores, and torch's argmax over [64, 32000] ran
-single-threaded at ~1.5 G floats/s. The GEMMs stay torch's (oneDNN or MKL, gemm_probe.py).
+single-threaded at ~1.5 G floats/s. The linears' GEMM is one more path beside torch's oneDNN and
+MKL ones (`native` in linear.py; gemm_probe.py times them all at load and keeps the fastest).
 
-Two translation units: attention and SiLU with fast math (vectorised expf); the rest without it, so
-the rotary embedding is the same products and sums as torch's, bit for bit (no FMA contraction),
-and argmax still sees NaNs (torch's answer: the first NaN, else the first maximum).
+Three translation units: attention and SiLU with fast math (vectorised expf); the element-wise rest
+without it, so the rotary embedding is the same products and sums as torch's, bit for bit (no FMA
+contraction), and argmax still sees NaNs (torch's answer: the first NaN, else the first maximum);
+the GEMM without fast math but with FMA (each output a sum over k in order, as BLAS kernels do).
 """
 from __future__ import annotations
 
@@ -199,6 +201,118 @@ void argmax_f32(const float* x, int rows, int cols, int64_t* out, int nthreads) 
 }
 """
 
+_GEMM_C = r"""
+#include <stddef.h>
+#include <string.h>
+/* y = x w^T (+ bias) for fp32, w laid out at load in panels of NR output columns: panel p is
+   [K][NR] (column p*NR + j of every k side by side; the last panel zero-padded), so a micro-kernel
+   reads one panel front to back while it keeps MR rows x NR columns of y in vector registers.
+   Each thread takes a run of panels; while it computes one it prefetches the next into L2, spread
+   over the k loop: a weight read once per step streams from memory, and oneDNN's and MKL's
+   kernels, without that, waited for it (their rate over a decode step's cold weights was ~60 % of
+   their rate over a weight in cache). Rows go in chunks that stay in L2 beside the panel.
+   Vector width from the target: 16 floats (AVX-512: 6 x 64 accumulators), 8 (AVX2: 4 x 24), else 4. */
+#if defined(__AVX512F__)
+#define VEC 16
+#define MR 6
+#define NV 4
+#define BCAST(s) ((vf){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
+#elif defined(__AVX2__) || defined(__AVX__)
+#define VEC 8
+#define MR 4
+#define NV 3
+#define BCAST(s) ((vf){s, s, s, s, s, s, s, s})
+#else
+#define VEC 4
+#define MR 4
+#define NV 2
+#define BCAST(s) ((vf){s, s, s, s})
+#endif
+#define NR (VEC * NV)
+typedef float vf __attribute__((vector_size(VEC * 4)));
+typedef float vfu __attribute__((vector_size(VEC * 4), aligned(4))); /* unaligned loads and stores */
+#define LINE_FLOATS 16 /* a 64-byte cache line */
+
+int gemm_panel_width(void) { return NR; }
+
+static inline __attribute__((always_inline)) void micro(const float* a, int lda, const float* b, int K,
+    float* c, int ldc, int ncols, const float* bias, int mr, const float* pf, int pf_per_k, const float* pf_end) {
+  vf acc[MR][NV];
+  for (int i = 0; i < MR; i++)
+    for (int v = 0; v < NV; v++) acc[i][v] = bias ? *(const vfu*)(bias + v * VEC) : (vf){0};
+  for (int k = 0; k < K; k++) {
+    const float* bk = b + (size_t)k * NR;
+    vf bv[NV];
+    for (int v = 0; v < NV; v++) bv[v] = *(const vf*)(bk + v * VEC);
+    for (int q = 0; q < pf_per_k; q++, pf += LINE_FLOATS)
+      if (pf < pf_end) __builtin_prefetch(pf, 0, 2);
+    for (int i = 0; i < MR; i++)
+      if (i < mr) {
+        const float s = a[(size_t)i * lda + k];
+        const vf av = BCAST(s);
+        for (int v = 0; v < NV; v++) acc[i][v] += av * bv[v];
+      }
+  }
+  for (int i = 0; i < mr; i++) {
+    if (ncols == NR) {
+      for (int v = 0; v < NV; v++) *(vfu*)(c + (size_t)i * ldc + v * VEC) = acc[i][v];
+    } else {
+      float row[NR];
+      for (int v = 0; v < NV; v++) *(vfu*)(row + v * VEC) = acc[i][v];
+      memcpy(c + (size_t)i * ldc, row, sizeof(float) * ncols);
+    }
+  }
+}
+
+/* x [M, K] (row stride lda), panels [ceil(N / NR)][K][NR] -> y [M, N]; bias [N] or NULL. The panels
+   must be 64-byte aligned (torch's CPU allocator aligns to 64). */
+void gemm_f32(const float* x, int lda, const float* panels, const float* bias, float* y, int M, int N, int K,
+              int nthreads) {
+  if (M <= 0 || N <= 0) return;
+  const int P = (N + NR - 1) / NR;
+  const size_t panel = (size_t)K * NR;
+  int mc = (int)((512 * 1024) / ((size_t)K * 4)) / MR * MR; /* rows per chunk: ~512 KB of x in L2 */
+  if (mc < MR) mc = MR;
+  for (int m0 = 0; m0 < M; m0 += mc) {
+    const int rows = M - m0 < mc ? M - m0 : mc;
+    const int blocks = (rows + MR - 1) / MR;
+    /* the next panel's lines, spread over this panel's k steps (at least one a step) */
+    const int pf_per_k = (int)((panel / LINE_FLOATS + (size_t)blocks * K - 1) / ((size_t)blocks * K));
+    #pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int p = 0; p < P; p++) {
+      const float* b = panels + p * panel;
+      const float* next = p + 1 < P ? b + panel : NULL;
+      const float* pf_end = next ? next + panel : NULL;
+      const int ncols = N - p * NR < NR ? N - p * NR : NR;
+      float bias_pad[NR];
+      const float* bp = NULL;
+      if (bias) {
+        memset(bias_pad, 0, sizeof bias_pad);
+        memcpy(bias_pad, bias + p * NR, sizeof(float) * ncols);
+        bp = bias_pad;
+      }
+      for (int mb = 0; mb < blocks; mb++) {
+        const int r0 = m0 + mb * MR, mr = rows - mb * MR < MR ? rows - mb * MR : MR;
+        const float* pf = next ? next + (size_t)mb * K * pf_per_k * LINE_FLOATS : NULL;
+        const int ppk = next ? pf_per_k : 0;
+        const float* a = x + (size_t)r0 * lda;
+        float* c = y + (size_t)r0 * N + p * NR;
+        switch (mr) { /* each a micro-kernel with its row count fixed: the accumulators stay in registers */
+          case MR: micro(a, lda, b, K, c, N, ncols, bp, MR, pf, ppk, pf_end); break;
+#if MR > 4
+          case 5: micro(a, lda, b, K, c, N, ncols, bp, 5, pf, ppk, pf_end); break;
+          case 4: micro(a, lda, b, K, c, N, ncols, bp, 4, pf, ppk, pf_end); break;
+#endif
+          case 3: micro(a, lda, b, K, c, N, ncols, bp, 3, pf, ppk, pf_end); break;
+          case 2: micro(a, lda, b, K, c, N, ncols, bp, 2, pf, ppk, pf_end); break;
+          default: micro(a, lda, b, K, c, N, ncols, bp, 1, pf, ppk, pf_end); break;
+        }
+      }
+    }
+  }
+}
+"""
+
 
 class CpuKernels:
     """The compiled kernels behind typed calls. Inputs are fp32 CPU tensors; the model and sampler
@@ -347,7 +461,11 @@ _SIGNATURES = {
     "rope_f32": [_P] * 3 + [_I] * 5,
     "silu_mul_f32": [_P, _P, _I, _I, _I],
     "argmax_f32": [_P, _I, _I, _P, _I],
+    "gemm_panel_width": [],
+    "gemm_f32": [_P, _I, _P, _P, _P, _I, _I, _I, _I],
 }
+_RESTYPES = {"write_kv_f32": ctypes.c_int, "gemm_panel_width": ctypes.c_int}
+_gemm_lib: ctypes.CDLL | None = None  # the first library built in this process: the linears' GEMM (linear.py)
 
 
 @functools.cache
@@ -362,9 +480,10 @@ def load(head_dim: int) -> CpuKernels | None:
     out = Path(tempfile.mkdtemp(prefix="kvgate-cpu-"))
     (out / "fast.c").write_text(_FAST_C)
     (out / "exact.c").write_text(_EXACT_C)
+    (out / "gemm.c").write_text(_GEMM_C)
     common = [cc, "-O3", "-march=native", "-fopenmp", "-fPIC", f"-DHEAD_DIM={head_dim}", "-c"]
-    units = {"fast": ["-ffast-math"], "exact": ["-fno-fast-math", "-ffp-contract=off"]}
-    link = [cc, "-shared", "-fopenmp", str(out / "fast.o"), str(out / "exact.o"), "-o", str(out / "cpu.so"), "-lm"]
+    units = {"fast": ["-ffast-math"], "exact": ["-fno-fast-math", "-ffp-contract=off"], "gemm": ["-fno-fast-math"]}
+    link = [cc, "-shared", "-fopenmp", *(str(out / f"{name}.o") for name in units), "-o", str(out / "cpu.so"), "-lm"]
     try:
         compiles = [subprocess.Popen([*common, *flags, str(out / f"{name}.c"), "-o", str(out / f"{name}.o")],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -382,5 +501,30 @@ def load(head_dim: int) -> CpuKernels | None:
         shutil.rmtree(out, ignore_errors=True)  # a loaded library no longer needs its file
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype, fn.argtypes = (ctypes.c_int if name == "write_kv_f32" else None), argtypes
+        fn.restype, fn.argtypes = _RESTYPES.get(name), argtypes
+    global _gemm_lib
+    _gemm_lib = _gemm_lib or lib
     return CpuKernels(lib, head_dim)
+
+
+def panel_width() -> int | None:
+    """Output columns per panel of gemm's weight layout on this CPU; None where no kernels are built
+    in this process (they are built with the engine's fp32 CPU attention)."""
+    return _gemm_lib.gemm_panel_width() if _gemm_lib is not None else None
+
+
+def gemm(x: torch.Tensor, panels: torch.Tensor, n_out: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] @ w^T (+ bias) -> [..., n_out], w given as `panels` [ceil(n_out / NR), K, NR]
+    (linear.to_panels); fp32 on CPU."""
+    if _gemm_lib is None:
+        raise RuntimeError("the native GEMM is not built in this process")
+    k = panels.shape[1]
+    rows = x.reshape(-1, k)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n_out, dtype=torch.float32)
+    bias = bias.contiguous() if bias is not None else None
+    _gemm_lib.gemm_f32(rows.data_ptr(), rows.stride(0), panels.data_ptr(),
+                       bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0], n_out, k,
+                       torch.get_num_threads())
+    return out.view(*x.shape[:-1], n_out)

@@ -1,9 +1,10 @@
 """Chooses the CPU GEMM path of the model's linear layers by timing the alternatives at load.
 
-oneDNN vs MKL, and a row-major, a transposed or a oneDNN-packed weight, flip between CPU families
-and batch sizes (oneDNN ran at twice MKL's rate on AMD EPYC at 64 rows; a 1-row GEMV was 4x faster
-on a transposed weight; on an Intel Xeon a packed weight ran 1.3x the others at 4 to 16 rows), so
-each is timed once per process on the model's own weights, at a few rows and at the decode batch.
+oneDNN vs MKL vs our own (cpu_native.py), and a row-major, a transposed, a oneDNN-packed or a
+paneled weight, flip between CPU families and batch sizes (oneDNN ran at twice MKL's rate on AMD
+EPYC at 64 rows; a 1-row GEMV was 4x faster on a transposed weight; on an Intel Xeon a packed
+weight ran 1.3x the others at 4 to 16 rows), so each is timed once per process on the model's own
+weights, at a few rows and at the decode batch.
 
 The timing is of what a decode step does: one pass over the linears in the order the step runs
 them, each reading its own weight from memory. Timing one layer's weight over and over measured
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from worker.models.linear import PACKED, PATHS, SMALL_ROWS, Linear, LinearKernel, can_pack, relay, tied_weights
+from worker.models.linear import (PACKED, PANELS, PATHS, SMALL_ROWS, Linear, LinearKernel, can_pack, can_panel, relay,
+                                  tied_weights)
 
 log = logging.getLogger("kvgate.worker")
 
@@ -82,6 +84,8 @@ def probe(linears: list[Linear], rows: tuple[int, int]) -> dict[str, float]:
     layouts = {lay: [n for n, (_, l) in PATHS.items() if l == lay] for _, lay in PATHS.values()}
     if not can_pack():
         layouts.pop(PACKED)
+    if not can_panel():
+        layouts.pop(PANELS)
     best: dict[str, float] = {}
     start = time.perf_counter()
     with torch.inference_mode():

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.engine import cpu_native
+
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
 
 
@@ -35,17 +37,50 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_ROWS)
 
 
+def _native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Our own GEMM (cpu_native.gemm) over a weight in panels; a weight left as it is (not fp32 on
+    CPU, or tied to the embedding) goes to torch's."""
+    if weight.dim() == 3 and x.dtype == torch.float32 and x.device.type == "cpu":
+        return cpu_native.gemm(x, weight, weight.n_out, bias)
+    return F.linear(x, weight, bias)
+
+
+def can_panel() -> bool:
+    """The native GEMM is built in this process (with the engine's native fp32 CPU kernels)."""
+    return cpu_native.panel_width() is not None
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [ceil(out / NR), in, NR] (zero-padded): the native GEMM's layout, NR output
+    columns side by side per input column, NR fixed by this CPU's vector width. Only fp32 CPU
+    weights are laid out so, and only where the native GEMM is built; others stay as they are.
+    The result's `n_out` is the real output width (relay keeps it on the parameter)."""
+    width = cpu_native.panel_width()
+    if width is None or weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return weight
+    out, inp = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -out % width))
+    panels = padded.view(-1, width, inp).transpose(1, 2).contiguous()
+    panels.n_out = out
+    return panels
+
+
+def from_panels(panels: torch.Tensor) -> torch.Tensor:
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:panels.n_out].contiguous()
+
+
 # Weight layouts: row-major [out, in]; "cols", [in, out] memory seen as [out, in]; "packed", oneDNN's
-# own blocked format (an opaque mkldnn tensor, which only oneDNN reads).
-ROWS, COLS, PACKED = "rows", "cols", "packed"
+# own blocked format (an opaque mkldnn tensor, which only oneDNN reads); "panels", the native GEMM's.
+ROWS, COLS, PACKED, PANELS = "rows", "cols", "packed", "panels"
 # name -> (function, the weight layout it reads). Which is fastest flips between CPU families and
 # batch sizes (a 1-row GEMV over a row-major weight ran 4x slower than over a transposed one on AMD;
 # on an Intel Xeon a packed weight made decode steps 1.2-1.4x faster than MKL's at 8 to 64
-# sequences, and 0.8x at 1).
+# sequences, and 0.8x at 1; the native GEMM's pass over a decode step's weights was 1.2x oneDNN's
+# packed one at 51 rows there, 1.6x at 8 and 1.5x at 1).
 PATHS: dict[str, tuple[Callable, str]] = {
     "onednn": (_onednn, ROWS), "aten": (F.linear, ROWS),
     "onednn_t": (_onednn, COLS), "aten_t": (F.linear, COLS),
-    "onednn_p": (_onednn, PACKED),
+    "onednn_p": (_onednn, PACKED), "native": (_native, PANELS),
 }
 SMALL_ROWS = 16  # at most this many rows is a "small" GEMM (decode of a few sequences)
 
@@ -88,12 +123,20 @@ class Linear(nn.Linear):
         return self.kernel(x, self.weight, self.bias)
 
 
+def plain(weight: torch.Tensor) -> torch.Tensor:
+    """The [out, in] values, whatever the layout (a row-major or transposed weight as it is)."""
+    if weight.is_mkldnn:
+        return weight.to_dense()
+    return from_panels(weight) if weight.dim() == 3 else weight
+
+
 def lay_out(weight: torch.Tensor, layout: str) -> torch.Tensor:
     """The same values in `layout` (a weight that cannot be packed stays as it is)."""
-    if weight.is_mkldnn:
-        weight = weight.to_dense()
+    weight = plain(weight)
     if layout == PACKED:
         return pack(weight)
+    if layout == PANELS:
+        return to_panels(weight)
     if layout == COLS:
         return weight.detach().t().contiguous().t()
     return weight.detach().contiguous()
@@ -117,10 +160,15 @@ def relay(module: Linear, layout: str, tied: frozenset[int] | set[int] = frozens
     """The module's weight in `layout`, values unchanged (a tied weight keeps its own)."""
     w = module.weight
     if id(w) not in tied and layout_of(w) != layout:
-        module.weight = nn.Parameter(lay_out(w, layout), requires_grad=False)
+        laid = lay_out(w, layout)
+        module.weight = nn.Parameter(laid, requires_grad=False)
+        if laid.dim() == 3:
+            module.weight.n_out = laid.n_out
 
 
 def layout_of(w: torch.Tensor) -> str:
     if w.is_mkldnn:
         return PACKED
+    if w.dim() == 3:
+        return PANELS
     return COLS if w.dim() == 2 and w.stride() == (1, w.shape[0]) and w.shape[0] > 1 else ROWS

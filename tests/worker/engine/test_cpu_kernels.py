@@ -7,7 +7,8 @@ import torch
 from worker.engine.llm import LLM
 from worker.engine.types import SamplingParams
 from worker.models import gemm_probe
-from worker.models.linear import PACKED, PATHS, ROWS, Linear, LinearKernel, layout_of
+from worker.engine import cpu_native
+from worker.models.linear import PACKED, PANELS, PATHS, ROWS, Linear, LinearKernel, layout_of, plain, to_panels
 
 torch.set_num_threads(1)
 MAX_NEW = 16
@@ -43,6 +44,14 @@ def test_the_probe_records_its_choice_and_it_is_exact(case):
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == expected
 
 
+@pytest.fixture
+def native_built():
+    """The native GEMM exists once the engine's CPU kernels are built in the process (as any fp32 CPU
+    engine does before its probe); a test of the probe alone builds them itself."""
+    assert cpu_native.load(16) is not None
+    assert cpu_native.panel_width()
+
+
 def _linears(*shapes):
     torch.manual_seed(0)
     return [Linear(inp, out, bias=bias) for out, inp, bias in shapes]
@@ -58,14 +67,39 @@ def test_a_path_that_raises_is_never_chosen(monkeypatch):
     assert "onednn" not in (gemm_probe._pick(timings).small, gemm_probe._pick(timings).large)
 
 
-def test_the_probe_times_each_layout_on_the_layers_own_weights_and_keeps_their_values():
-    linears = _linears((64, 32, True), (128, 64, False))
+def test_the_probe_times_each_layout_on_the_layers_own_weights_and_keeps_their_values(native_built):
+    linears = _linears((64, 32, True), (100, 64, False))  # 100: the last panel padded
     before = [m.weight.detach().clone() for m in linears]
     timings = gemm_probe.probe(linears, (4, 32))
     assert set(timings) == {f"{name}@{n}" for name in PATHS for n in (4, 32)}
-    assert layout_of(linears[0].weight) == PACKED  # re-laid in place: the last layout timed
+    assert layout_of(linears[0].weight) == PANELS  # re-laid in place: the last layout timed
     for m, w in zip(linears, before):
-        assert torch.equal(m.weight.to_dense(), w)
+        assert torch.equal(plain(m.weight), w)
+
+
+def test_a_process_without_the_native_gemm_never_takes_the_panels(monkeypatch):
+    monkeypatch.setattr(gemm_probe, "can_panel", lambda: False)
+    timings = gemm_probe.probe(_linears((64, 32, True), (128, 32, False)), (4, 32))
+    assert "native@4" not in timings and "onednn_p@32" in timings
+    assert gemm_probe._pick(timings).layout != PANELS
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 51, 64, 700])  # 700 rows of 1,000 inputs: two row chunks
+@pytest.mark.parametrize("shape", [(100, 37), (64, 1000), (7, 3)])
+def test_the_native_gemm_matches_torch_on_any_shape(native_built, shape, rows):
+    torch.manual_seed(rows)
+    out, inp = shape
+    weight, bias = torch.randn(out, inp), torch.randn(out)
+    panels = to_panels(weight)
+    assert panels.shape == (-(-out // cpu_native.panel_width()), inp, cpu_native.panel_width())
+    x = torch.randn(rows, inp)
+    native = PATHS["native"][0]
+    for b in (None, bias):
+        expected = torch.nn.functional.linear(x.double(), weight.double(), None if b is None else b.double())
+        assert torch.allclose(native(x, panels, b).double(), expected, atol=1e-4 * inp ** 0.5)
+    wide = torch.randn(3, rows, 2 * inp)[..., :inp]  # a strided view with leading dims
+    assert torch.allclose(native(wide, panels, bias), torch.nn.functional.linear(wide, weight, bias), atol=1e-4 * inp ** 0.5)
+    assert native(x[:0], panels, bias).shape == (0, out)
 
 
 def test_pick_takes_the_layout_best_at_both_sizes_then_each_sizes_fastest():
@@ -91,17 +125,18 @@ def test_a_build_that_cannot_pack_never_takes_the_packed_path(monkeypatch):
     assert gemm_probe._pick(timings).layout != PACKED
 
 
+@pytest.mark.parametrize("kernel", ["onednn_p", "native"])
 def test_packed_weights_keep_their_values_and_a_tied_weight_stays_row_major(build_tiny, random_prompts,
-                                                                           hf_greedy):
+                                                                           hf_greedy, kernel):
     model_dir = build_tiny("kernels-tied", tie_word_embeddings=True)
     prompts = random_prompts(3, 3, 30, seed=5)
-    llm = LLM(model_dir, cpu_linear_kernel="onednn_p")
+    llm = LLM(model_dir, cpu_linear_kernel=kernel)
     model = llm.engine.runner.model
     assert layout_of(model.lm_head.weight) == ROWS and model.lm_head.weight is model.model.embed_tokens.weight
-    assert {layout_of(m.weight) for m in model.model.layers.modules() if isinstance(m, Linear)} == {PACKED}
+    assert {layout_of(m.weight) for m in model.model.layers.modules() if isinstance(m, Linear)} == {PATHS[kernel][1]}
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(5, layer.in_features)
-    assert torch.allclose(layer(x), x @ layer.weight.to_dense().t(), atol=1e-5)
+    assert torch.allclose(layer(x), x @ plain(layer.weight).t(), atol=1e-5)
     assert [r.token_ids for r in llm.generate(prompts, GREEDY)] == hf_greedy(model_dir, prompts, MAX_NEW)
 
 
