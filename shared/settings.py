@@ -227,6 +227,12 @@ class WorkerSettings(CommonSettings):
                                                 "(the batch never waits for a compile)")
     structured_max_spec_bytes: int = Field(65536, ge=1, description="Largest JSON schema, regex, "
                                            "choice list or grammar the worker compiles (larger: 400)")
+    structured_max_token_ms: float = Field(20.0, gt=0, description="Most CPU time matching an "
+                                           "output token against a structured_outputs grammar may "
+                                           "take (its mask and its accept), on average over a "
+                                           "choice's last 16 tokens; more ends the request with a "
+                                           "400 (an ambiguous grammar's matching grows with the "
+                                           "output, on the step loop)")
     tensor_parallel_size: int = Field(1, ge=1, description="Processes the model is sharded across "
                                       "(tensor parallelism; one GPU each on CUDA, gloo on CPU): the "
                                       "worker starts the other ranks itself")

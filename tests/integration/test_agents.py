@@ -223,6 +223,34 @@ def test_unsupported_fields_are_refused_by_name(cluster):
         assert refused.value.body["param"] == param or param in refused.value.body["message"], refused.value.body
 
 
+def test_a_grammar_too_dear_to_match_fails_alone_with_a_400(cluster, tiny_model_dir):
+    """An ambiguous grammar compiles at once, and its matching then grows with the output on the
+    worker's step loop: at the default structured_max_token_ms its request ends with a 400 naming
+    the bound (a few hundred tokens in, seconds later, not after minutes of stalling the batch),
+    and a request sent beside it is served whole."""
+    from worker.engine.tokenizer import load_tokenizer
+
+    a = load_tokenizer(tiny_model_dir).convert_tokens_to_ids("a")
+    client, async_client = _client(cluster), _client(cluster, openai.AsyncOpenAI)
+
+    async def beside():
+        return await async_client.chat.completions.create(
+            model="demo", messages=_chat("hi"), max_tokens=64, extra_body={"ignore_eos": True})
+
+    async def both():
+        other = asyncio.ensure_future(beside())
+        with pytest.raises(openai.BadRequestError) as refused:
+            await asyncio.to_thread(
+                client.chat.completions.create, model="demo", messages=_chat("a"), max_tokens=1800,
+                logit_bias={str(a): 100}, extra_body={"structured_outputs": {"grammar": 'root ::= s "."\ns ::= s s | "a"'}})
+        return refused.value.body, await other
+
+    body, other = asyncio.run(both())
+    assert body["code"] == "invalid_structured_output" and body["param"] == "structured_outputs", body
+    assert "structured_max_token_ms" in body["message"]
+    assert other.usage.completion_tokens == 64 and other.choices[0].finish_reason == "length"
+
+
 def test_a_constrained_stream_resumed_after_its_worker_dies_is_whole_and_valid(tmp_path, tiny_model_dir):
     """The worker running a constrained stream is killed mid-way; the survivor rebuilds the matcher
     from the tokens already sent and the client gets the same JSON as an uninterrupted run (seeded)."""

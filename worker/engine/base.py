@@ -136,8 +136,10 @@ def _check_numbers(p: SamplingParams, vocab_size: int) -> None:
 
 
 def request_error(request_id: str, exc: Exception) -> RequestError:
-    """One request failed for an unknown reason: logged with its id (never its text), answered as a
-    500, and only it ends."""
+    """One request failed, and only it ends: refused for a reason it names (`EngineRejected`: its
+    code, a 4xx), or for an unknown one, logged with its id (never its text) and answered as a 500."""
+    if isinstance(exc, EngineRejected):
+        return RequestError(exc.code, str(exc), param=exc.param)
     log.error("request %s failed in the engine (%s); it ends alone", request_id, type(exc).__name__,
               exc_info=exc, extra={"request_id": request_id})
     return RequestError("engine_error", f"the engine failed on this request ({type(exc).__name__}); "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from worker.engine.base import request_error
 from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.structured import CODE, PARAM
-from worker.engine.types import EngineRejected, RequestError
+from worker.engine.types import RequestError
 
 
 @dataclass
@@ -64,8 +64,4 @@ class CompilingRequests:
 
 def _result(request_id: str, future: Future):
     exc = future.exception()
-    if exc is None:
-        return future.result()
-    if isinstance(exc, EngineRejected):
-        return RequestError(exc.code, str(exc), param=exc.param)
-    return request_error(request_id, exc)
+    return future.result() if exc is None else request_error(request_id, exc)

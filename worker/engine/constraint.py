@@ -1,5 +1,6 @@
-"""One choice's grammar state: an xgrammar matcher advanced by every token the choice emits, and the
-reasoning gate that keeps it off while the model is thinking.
+"""One choice's grammar state: an xgrammar matcher advanced by every token the choice emits, the
+reasoning gate that keeps it off while the model is thinking, and the meter that bounds what its
+matching may cost the step loop.
 
 The state is a function of the tokens alone, so it is rebuilt by feeding them again: a request
 resumed on another worker replays its emitted tokens through `accept` before it runs. Preemption
@@ -7,10 +8,14 @@ by recompute keeps the Sequence, and with it the matcher, so there is nothing to
 """
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
 from shared.reasoning import thinking
+from worker.engine.structured import CODE, PARAM
+from worker.engine.types import EngineRejected
 
 
 @dataclass(frozen=True)
@@ -19,12 +24,46 @@ class ThinkMarkers:
     end_id: int
 
 
+class MatchingMeter:
+    """What matching costs one choice, in this thread's CPU time (a busy machine does not count),
+    held to `max_token_ms` a token on average over its last WINDOW tokens. An ambiguous grammar's
+    matching grows with the output (`root ::= s; s ::= s s | "a"`: 20 ms a token at 400 tokens, a
+    second at 1,150) and runs on the step loop, where it holds up every request of the batch; a
+    grammar's first pass through a rule can cost one token far more than the rest (26 ms for the
+    first token inside a JSON string with a 32k vocabulary, 0.1 ms for the next ones), which the
+    window absorbs. Past the bound `charge` raises, which ends this request alone with a 400."""
+
+    WINDOW = 16
+
+    def __init__(self, max_token_ms: float):
+        self.max_token_ms = max_token_ms
+        self._recent: deque[int] = deque()  # the last WINDOW tokens' matching, ns each
+        self._sum_ns = 0
+        self.pending_ns = 0  # the current token's so far: its mask, before its accept
+
+    def charge(self, ns: int) -> None:
+        """One token's matching is done (its mask's, in pending_ns, and `ns` more)."""
+        ns, self.pending_ns = ns + self.pending_ns, 0
+        self._recent.append(ns)
+        self._sum_ns += ns
+        if len(self._recent) > self.WINDOW:
+            self._sum_ns -= self._recent.popleft()
+        if self._sum_ns > self.max_token_ms * 1e6 * self.WINDOW:
+            raise EngineRejected(
+                f"matching the structured_outputs grammar took {self._sum_ns / 1e6:.0f} ms of CPU for "
+                f"its last {len(self._recent)} tokens; at most {self.max_token_ms:g} ms a token on "
+                f"average over {self.WINDOW} (structured_max_token_ms). An ambiguous grammar's "
+                "matching grows with the output: simplify the grammar", CODE, PARAM)
+
+
 class Constraint:
-    def __init__(self, compiled_grammar, prompt_ids: Tokens[int], markers: ThinkMarkers | None):
+    def __init__(self, compiled_grammar, prompt_ids: Tokens[int], markers: ThinkMarkers | None,
+                 max_token_ms: float = float("inf")):
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled_grammar)
         self.markers = markers
+        self.meter = MatchingMeter(max_token_ms)
         # the rule the worker splits reasoning text by (shared/reasoning.py): thinking at the start
         # when the prompt opened it, until the first end marker (accept), never again
         self.thinking = markers is not None and thinking(prompt_ids, (), markers.start_id, markers.end_id)
@@ -43,14 +82,19 @@ class Constraint:
         if self.thinking:
             self.thinking = token != self.markers.end_id
             return True
-        return self.matcher.accept_token(token)
+        start = time.thread_time_ns()
+        accepted = self.matcher.accept_token(token)
+        self.meter.charge(time.thread_time_ns() - start)
+        return accepted
 
     def replay(self, output_ids: Tokens[int]) -> bool:
         """Rebuild from the tokens a resumed choice already emitted."""
         return all(self.accept(token) for token in output_ids)
 
     def fill(self, bitmask, row: int) -> None:
+        start = time.thread_time_ns()
         self.matcher.fill_next_token_bitmask(bitmask, row)
+        self.meter.pending_ns += time.thread_time_ns() - start
 
 
 def think_markers(parser: str | None, tokenizer) -> ThinkMarkers | None:

@@ -173,7 +173,8 @@ class LLMEngine(ModelFacts):
         """A matcher per choice, a resumed one fed the tokens it already emitted."""
         try:
             for seq in seqs:
-                seq.constraint = Constraint(grammar, seq.prompt_ids, self.think_markers)
+                seq.constraint = Constraint(grammar, seq.prompt_ids, self.think_markers,
+                                            self.config.structured_max_token_ms)
                 if not seq.constraint.replay(seq.output_ids):
                     return RequestError("resume_failed", "the tokens this request already emitted do "
                                         "not match its structured_outputs grammar")

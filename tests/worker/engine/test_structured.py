@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from shared.sampling import StructuredOutputs
-from worker.engine.constraint import Constraint, ThinkMarkers, think_markers
+from worker.engine.constraint import Constraint, MatchingMeter, ThinkMarkers, think_markers
 from worker.engine.engine import LLMEngine
 from worker.engine.types import EngineRejected, Resume, SamplingParams
 
@@ -222,6 +222,51 @@ def test_a_compile_past_its_time_bound_fails_its_request(tiny_model_dir):
     assert out["slow"][0][3].code == "invalid_structured_output"
     assert "structured_compile_timeout_s" in out["slow"][0][3].message
     assert len(out["free"][0][0]) == 4
+
+
+def test_a_grammar_whose_matching_outgrows_its_bound_fails_its_request_alone(tiny_model_dir):
+    """`s ::= s s | "a"` compiles at once, but matching it grows with the output (about the cube
+    of its length a token: 20 ms at 400 tokens, a second at 1,150), on the step loop. Past
+    structured_max_token_ms for one token its request ends with a 400 naming the bound; the request
+    beside it runs to its end."""
+    from worker.engine.tokenizer import load_tokenizer
+
+    a = load_tokenizer(tiny_model_dir).convert_tokens_to_ids("a")
+    bounded = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=256,
+                                       structured_max_token_ms=1.0)
+    ambiguous = SamplingParams(max_tokens=1500, temperature=0.0, logit_bias={a: 100.0},
+                               structured_outputs=StructuredOutputs(grammar='root ::= s "."\ns ::= s s | "a"'))
+    out = run(bounded, {"ambiguous": (PROMPT, ambiguous),
+                        "free": (PROMPT, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))})
+    ids, text, reason, error = out["ambiguous"][0]
+    assert error is not None and error.code == "invalid_structured_output", (reason, len(ids))
+    assert "structured_max_token_ms" in error.message and error.param == "structured_outputs"
+    assert 20 < len(ids) < 1500 and set(text) == {"a"}  # it ran, and stopped long before max_tokens
+    assert len(out["free"][0][0]) == 300 and out["free"][0][3] is None
+
+
+def test_the_matching_bound_is_a_rate_not_a_total(tiny_model_dir):
+    """The bound is a cost a token, not a request's total: a plain JSON schema's matching stays far
+    under a tight one however long its output."""
+    tight = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=256,
+                                     structured_max_token_ms=5.0)
+    schema = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 40, "maxItems": 40}
+    out = run(tight, {"long": (PROMPT, json_params(schema, max_tokens=600, temperature=0.0))})
+    ids, text, reason, error = out["long"][0]
+    assert error is None and reason == "stop" and len(ids) > 100
+    assert len(json.loads(text)) == 40
+
+
+def test_the_matching_meter_absorbs_one_slow_token_and_stops_a_sustained_cost():
+    meter = MatchingMeter(max_token_ms=2.0)  # a window of 16 tokens: 32 ms in all
+    meter.charge(25_000_000)  # a grammar's first pass through a rule: one dear token
+    for _ in range(40):
+        meter.pending_ns = 100_000  # the mask
+        meter.charge(50_000)  # the accept
+    with pytest.raises(EngineRejected, match="structured_max_token_ms") as caught:
+        for n in range(MatchingMeter.WINDOW):
+            meter.charge(2_500_000)  # over the rate on every token: caught within one window
+    assert n < MatchingMeter.WINDOW - 1 and caught.value.code == "invalid_structured_output"
 
 
 def test_the_compile_cache_compiles_each_spec_once(engine):
