@@ -12,6 +12,7 @@ A non-streamed response feeds the whole text at once (`parse()`): one code path 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Union
 
@@ -45,22 +46,25 @@ class ParsedCall:
 
 
 MORE = "more"  # the text so far could still become what is expected: wait for more
+# A call's header (`{"name": "<name>", "arguments": `) is parsed again from its start as each piece
+# arrives; one still incomplete past this many characters (whitespace, a name no function has) is
+# judged whole instead, as text that did not open a call is: the stream cannot make that quadratic.
+HEADER_MAX = 1024
+_WS = re.compile(r"[ \t\r\n]*")
 
 
 def _skip_ws(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
+    return _WS.match(text, pos).end()
 
 
 def literal(text: str, pos: int, options: tuple[str, ...]) -> int | str | None:
     """Position past whichever of `options` starts at `pos` (after whitespace), MORE, or None."""
     pos = _skip_ws(text, pos)
-    rest = text[pos:]
     for option in options:
-        if rest.startswith(option):
+        if text.startswith(option, pos):
             return pos + len(option)
-    return MORE if any(option.startswith(rest) for option in options) else None
+    rest = text[pos:pos + max(map(len, options))]
+    return MORE if len(text) - pos < max(map(len, options)) and any(o.startswith(rest) for o in options) else None
 
 
 def _string(text: str, pos: int) -> tuple[str, int] | str | None:
@@ -145,11 +149,14 @@ def _call_of(obj, keys: tuple[str, ...]) -> ParsedCall | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
-    return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    try:
+        return ParsedCall(obj["name"], json.dumps(args, ensure_ascii=False))
+    except (ValueError, RecursionError):  # nested too deep to write back
+        return None
 
 
 class ToolParser:
@@ -180,6 +187,8 @@ class ToolParser:
 
     def _header(self, out: list[Event]) -> bool:
         found = header(self.buf, self.KEYS)
+        if found == MORE and len(self.buf) > HEADER_MAX:
+            found = None
         if found == MORE:
             return self._header_waits(out)
         if found is None:
@@ -218,6 +227,10 @@ class HermesParser(ToolParser):
 
     START, END = "<tool_call>", "</tool_call>"
 
+    def __init__(self):
+        super().__init__()
+        self.block: list[str] = []  # a block judged whole at its close: what came before `buf`
+
     def _text(self, out: list[Event]) -> bool:
         at = self.buf.find(self.START)
         if at >= 0:
@@ -238,19 +251,24 @@ class HermesParser(ToolParser):
     def _tail(self, out: list[Event]) -> bool:
         at = self.buf.find(self.END)  # what stands between the arguments and the close is the `}`
         if at < 0:
+            self.buf = self.buf[len(self.buf) - _held_back(self.buf, self.END):]  # dropped: not searched again
             return False
         self.buf, self.state = self.buf[at + len(self.END):], "text"
         return True
 
     def _buffered(self, out: list[Event]) -> bool:
         at = self.buf.find(self.END)
-        if at < 0:
+        if at < 0:  # set aside all but what could start the close, so each piece is searched once
+            keep = _held_back(self.buf, self.END)
+            self.block.append(self.buf[:len(self.buf) - keep])
+            self.buf = self.buf[len(self.buf) - keep:]
             return False
-        block = self.buf[:at]
+        block = "".join(self.block) + self.buf[:at]
+        self.block = []
         self.buf, self.state = self.buf[at + len(self.END):], "text"
         try:
             call = _call_of(json.loads(block), self.KEYS)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than Python decodes
             call = None
         if call is None:  # not a call after all: the model's text, as it wrote it
             out.append(Content(self.START + block + self.END))
@@ -263,8 +281,8 @@ class HermesParser(ToolParser):
         if self.state == "text":
             self._content(out, self.buf)
         elif self.state in ("header", "buffered"):  # an unclosed block that never became a call
-            out.append(Content(self.START + self.buf))
-        self.buf = ""
+            out.append(Content(self.START + "".join(self.block) + self.buf))
+        self.buf, self.block = "", []
         return out
 
 
@@ -278,13 +296,15 @@ class Llama3Parser(ToolParser):
         super().__init__()
         self.state = "start"
         self.seen = ""  # everything fed, to give back whole if the output was not calls after all
+        self.lead = 0  # how much of `buf` is known to be leading whitespace (not searched again)
 
     def feed(self, text: str) -> list[Event]:
         self.seen += text
         return super().feed(text)
 
     def _start(self, out: list[Event]) -> bool:
-        lead = self.buf.lstrip()
+        self.lead = _skip_ws(self.buf, self.lead)
+        lead = self.buf[self.lead:]
         if lead.startswith(self.TAG):
             self.buf, self.state = lead[len(self.TAG):], "header"
         elif lead.startswith("{"):
@@ -338,7 +358,7 @@ def _json_calls(text: str, keys: tuple[str, ...]) -> list[ParsedCall] | None:
     while pos < len(text):
         try:
             obj, pos = decoder.raw_decode(text, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         call = _call_of(obj, keys)
         if call is None:

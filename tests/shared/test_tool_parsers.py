@@ -94,3 +94,61 @@ def test_the_registry_names_every_parser_and_detects_templates():
     assert set(tp.PARSERS) == set(tp.NAMES)
     assert tp.detect("{% if tools %}<tool_call>{% endif %}") == "hermes"
     assert tp.detect("<|python_tag|>") == "llama3" and tp.detect("plain") is None
+
+
+def _stream(parser: tp.ToolParser, text: str, size: int = 4) -> list[tp.Event]:
+    events = []
+    for i in range(0, len(text), size):
+        events += parser.feed(text[i:i + size])
+    return events + parser.finish()
+
+
+@pytest.mark.parametrize("name, opening", [("hermes", "<tool_call>"), ("llama3", "")])
+def test_a_header_that_never_completes_is_parsed_a_bounded_number_of_times(monkeypatch, name, opening):
+    """A model made to write `<tool_call>` and then whitespace (or a name that never ends) would have
+    its header parsed again from the start for every piece, on the gateway's event loop: quadratic in
+    the output. Past HEADER_MAX characters the block is judged whole instead."""
+    parsed = []
+    original = tp.header
+    monkeypatch.setattr(tp, "header", lambda text, keys: parsed.append(len(text)) or original(text, keys))
+    for tail in (" " * 40_000, '{"name": "' + "x" * 40_000):
+        parsed.clear()
+        content, calls = tp.collect(_stream(tp.make(name), opening + tail))
+        assert (content, calls) == (opening + tail, [])  # what never became a call, given back whole
+        assert sum(parsed) <= 2 * tp.HEADER_MAX * (tp.HEADER_MAX // 4 + 1)
+
+
+def test_a_long_header_still_makes_a_call_judged_whole():
+    text = "<tool_call>" + "\n" * (2 * tp.HEADER_MAX) + '{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    content, calls = tp.collect(_stream(tp.make("hermes"), text))
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"a": 1})]
+    llama = " " * (2 * tp.HEADER_MAX) + '{"name": "g", "parameters": {"b": 2}}'
+    content, calls = tp.collect(_stream(tp.make("llama3"), llama))
+    assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"b": 2})]
+
+
+def test_an_unclosed_block_is_set_aside_not_searched_again():
+    """While a block waits for its `</tool_call>` (judged whole, or the text after a call's
+    arguments), what has been searched is moved out of the buffer that each piece searches."""
+    parser = tp.make("hermes")
+    for piece in ['<tool_call>{"other": "', *["xyz"] * 5000]:
+        parser.feed(piece)
+        assert len(parser.buf) < 40
+    assert parser.feed('"}</tool_call>') == [tp.Content('<tool_call>{"other": "' + "xyz" * 5000 + '"}</tool_call>')]
+    tail = tp.make("hermes")
+    tail.feed('<tool_call>{"name": "f", "arguments": {}}')
+    for _ in range(5000):
+        tail.feed(" junk")
+        assert len(tail.buf) < len(tp.HermesParser.END)
+    assert tail.feed("</tool_call>done") == [tp.Content("done")]
+
+
+@pytest.mark.parametrize("name, text", [
+    ("hermes", "<tool_call>" + "[" * 5000 + "]" * 5000 + "</tool_call>"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "' + "[" * 5000 + '"}</tool_call>'),
+    ("llama3", '{"name": "f", "parameters": ' + "[" * 5000),
+    ("llama3", "[" * 5000 + "]" * 5000),
+])
+def test_json_nested_deeper_than_python_decodes_is_text_not_an_error(name, text):
+    content, calls = tp.parse(name, text)
+    assert calls == [] and content == text
