@@ -227,6 +227,10 @@ class WorkerSettings(CommonSettings):
                                                 "(the batch never waits for a compile)")
     structured_max_spec_bytes: int = Field(65536, ge=1, description="Largest JSON schema, regex, "
                                            "choice list or grammar the worker compiles (larger: 400)")
+    structured_cache_mb: float = Field(512.0, gt=0, description="Memory the worker's compiled "
+                                       "structured_outputs grammars may hold (least recently used "
+                                       "dropped first; vLLM's VLLM_XGRAMMAR_CACHE_MB); a grammar "
+                                       "larger than all of it is refused with a 400")
     structured_max_token_ms: float = Field(20.0, gt=0, description="Most CPU time matching an "
                                            "output token against a structured_outputs grammar may "
                                            "take (its mask and its accept), on average over a "

@@ -31,6 +31,7 @@ class EngineConfig:
     pad_decode_eagerly: bool = False  # tests: decode steps take the graphs' padded buffers, uncaptured
     structured_compile_timeout_s: float = 10.0  # a grammar not compiled by then fails its request
     structured_max_spec_bytes: int = 65536  # larger schemas, regexes, choices or grammars are refused
+    structured_cache_mb: float = 512.0  # compiled grammars kept (vLLM's VLLM_XGRAMMAR_CACHE_MB); a larger one is refused
     structured_max_token_ms: float = 20.0  # a choice's grammar matching costing more a token (mean of 16) ends it
     reasoning_parser: str | None = None  # shared/reasoning.py's name; None: from the chat template
     tensor_parallel_size: int = 1  # processes (one GPU each on CUDA) the model is sharded across

@@ -51,7 +51,8 @@ class LLMEngine(ModelFacts):
         self.scheduler = Scheduler(config, self.pool)
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[RequestOutput] = []  # reported on the next step
-        self.grammars = Grammars(tokenizer, self.vocab_size, eos_ids, config.structured_max_spec_bytes)
+        self.grammars = Grammars(tokenizer, self.vocab_size, eos_ids, config.structured_max_spec_bytes,
+                                 int(config.structured_cache_mb * 2**20))
         self.compiling = CompilingRequests(config.structured_compile_timeout_s)
         self.think_markers = think_markers(config.reasoning_parser, tokenizer)
 

@@ -3,8 +3,10 @@ EBNF) compiled by xgrammar against the model's vocabulary, off the step loop, on
 
 Compiles run on a small thread pool (xgrammar releases the GIL while it compiles), so a slow one
 delays only its own request, which waits outside the batch until its grammar is ready. Results are
-kept in a bounded LRU keyed by a hash of the spec; a failed compile is remembered as well, so a bad
-spec sent again fails at once. xgrammar is imported lazily: the GPU image has no xgrammar and an
+kept in an LRU keyed by a hash of the spec, bounded in entries and in bytes (a compiled grammar's
+token masks grow with the vocabulary: a 28 KB schema of 300 integer ranges holds 44 MB with a 32k
+vocabulary, so 256 of them would be 11 GB); one larger than the whole bound is refused. A failed
+compile is remembered as well, so a bad spec sent again fails at once. xgrammar is imported lazily: the GPU image has no xgrammar and an
 engine without constrained requests never needs it (tests/ops/test_gpu_image_imports.py).
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from worker.engine.types import EngineRejected
 
 CODE = "invalid_structured_output"  # shared/errors.py maps it to a 400
 PARAM = "structured_outputs"
-CACHE_SIZE = 256  # compiled grammars kept; a JSON schema's is ~100 KB for a 32k vocabulary
+CACHE_SIZE = 256  # compiled grammars kept at most; a plain JSON schema's is ~50 KB for a 32k vocabulary
 COMPILE_THREADS = 2
 # xgrammar 0.2.9 writes a string with maxLength/minLength as characters [^"\\\r\n]: raw control
 # characters (invalid JSON, refused by json.loads); its unbounded strings exclude \0-\x1f, as here
@@ -84,27 +86,49 @@ def compile_error(spec: StructuredOutputs, exc: BaseException) -> str:
 class Grammars:
     """The compiler for one model's vocabulary, its thread pool and its LRU of compiled grammars."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_spec_bytes: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_spec_bytes: int,
+                 cache_bytes: int = 512 << 20):
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
-        self.max_spec_bytes = max_spec_bytes
+        self.max_spec_bytes, self.cache_bytes = max_spec_bytes, cache_bytes
         self._compiler = None  # built on the first constrained request
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # bytes of each cached grammar, once compiled
+        self._cache_lock = threading.RLock()  # compiles end on the pool's threads (or at once, in submit)
         self.compile_seconds: list[float] = []  # each compile's wall time (the benchmark reads it)
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(self._sizes.values())
 
     def submit(self, spec: StructuredOutputs) -> Future:
         """The compiled grammar's future: cached (done) or compiling now on the pool."""
         key = check_spec(spec, self.max_spec_bytes)
-        future = self._cache.get(key)
-        if future is None:
-            future = self._pool.submit(self._compile, spec)
-            self._cache[key] = future
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
+        with self._cache_lock:
+            future = self._cache.get(key)
+            if future is None:
+                future = self._cache[key] = self._pool.submit(self._compile, spec)
+                future.add_done_callback(lambda done: self._sized(key, done))
+            self._cache.move_to_end(key)
+            self._trim()
         return future
+
+    def _sized(self, key: str, future: Future) -> None:
+        """A compile ended: its grammar's bytes count against the cache's bound."""
+        if future.exception() is not None:
+            return
+        with self._cache_lock:
+            if self._cache.get(key) is future:
+                self._sizes[key] = future.result().memory_size_bytes
+                self._trim()
+
+    def _trim(self) -> None:
+        """Least recently used out until the bounds hold (the newest entry always stays)."""
+        while len(self._cache) > CACHE_SIZE or (len(self._cache) > 1 and self.cached_bytes > self.cache_bytes):
+            old, _ = self._cache.popitem(last=False)
+            self._sizes.pop(old, None)
 
     def _compile(self, spec: StructuredOutputs):
         start = time.perf_counter()
@@ -125,6 +149,11 @@ class Grammars:
         except Exception as exc:
             raise EngineRejected(compile_error(spec, exc), CODE, PARAM) from None
         self.compile_seconds.append(time.perf_counter() - start)
+        if grammar.memory_size_bytes > self.cache_bytes:
+            raise EngineRejected(f"the structured_outputs {kind} compiles to a grammar of "
+                                 f"{grammar.memory_size_bytes / 2**20:.1f} MiB for this model's vocabulary; "
+                                 f"at most {self.cache_bytes / 2**20:g} MiB (structured_cache_mb): "
+                                 "simplify it", CODE, PARAM)
         return grammar
 
     def compiler(self):

@@ -269,6 +269,35 @@ def test_the_matching_meter_absorbs_one_slow_token_and_stops_a_sustained_cost():
     assert n < MatchingMeter.WINDOW - 1 and caught.value.code == "invalid_structured_output"
 
 
+def _ranges(n: int, salt: int = 0) -> StructuredOutputs:
+    """A schema of n integer ranges: its compiled grammar's token masks grow with n (~65 KB each
+    with the tests' 2k vocabulary)."""
+    props = {f"k{i}": {"type": "integer", "minimum": -10**15 + i + salt, "maximum": 10**15 - i} for i in range(n)}
+    return StructuredOutputs(json=json.dumps({"type": "object", "properties": props, "required": list(props)}))
+
+
+def test_the_grammar_cache_is_bounded_in_bytes(tiny_model_dir):
+    """Distinct schemas whose grammars hold megabytes each (an attacker's, say) cannot fill the
+    worker's memory: the least recently used go once structured_cache_mb is full."""
+    small = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64,
+                                     structured_cache_mb=1.0)
+    sizes = [small.grammars.submit(_ranges(6, salt)).result().memory_size_bytes for salt in range(12)]
+    assert sum(sizes) > 2 * 2**20 and max(sizes) < 2**20  # twice the bound in all, each under it
+    assert small.grammars.cached_bytes <= 2**20 and len(small.grammars._cache) < 12
+    newest = small.grammars.submit(_ranges(6, 11))
+    assert newest.done() and newest.result().memory_size_bytes == sizes[-1]  # the newest stays cached
+
+
+def test_a_grammar_larger_than_the_cache_is_refused(tiny_model_dir):
+    small = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64,
+                                     structured_cache_mb=1.0)
+    out = run(small, {"big": (PROMPT, SamplingParams(max_tokens=8, structured_outputs=_ranges(40))),
+                      "free": (PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))})
+    error = out["big"][0][3]
+    assert error.code == "invalid_structured_output" and "structured_cache_mb" in error.message, error
+    assert len(out["free"][0][0]) == 4 and small.grammars.cached_bytes == 0
+
+
 def test_the_compile_cache_compiles_each_spec_once(engine):
     before = len(engine.grammars.compile_seconds)
     spec = {"type": "object", "required": ["only"], "properties": {"only": {"enum": [1, 2]}}}
