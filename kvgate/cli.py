@@ -100,7 +100,7 @@ def demo_model(directory: str) -> None:
               help="Reuse KV blocks of shared prefixes [default: on]")
 @click.option("--attention-backend", type=click.Choice(["auto", "torch", "triton"]), default=None,
               help="auto: triton on CUDA, torch with native fp32 kernels on CPU [default: auto]")
-@click.option("--cpu-linear-kernel", type=click.Choice(["auto", "onednn", "aten", "onednn_t", "aten_t"]),
+@click.option("--cpu-linear-kernel", type=click.Choice(["auto", "onednn", "aten", "onednn_t", "aten_t", "onednn_p", "native"]),
               default=None, help="The linears' GEMM path on CPU [default: auto, timed at load]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
 @click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1"]), default=None,
@@ -111,6 +111,10 @@ def demo_model(directory: str) -> None:
               help="A grammar not compiled by then fails its request [default: 10]")
 @click.option("--structured-max-spec-bytes", type=int, default=None,
               help="Largest schema, regex, choice list or grammar compiled [default: 65536]")
+@click.option("--structured-cache-mb", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Memory compiled grammars may hold; a larger grammar is refused [default: 512]")
+@click.option("--structured-max-token-ms", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="CPU a grammar's matching may take a token (mean of 16) [default: 20]")
 @click.option("--tensor-parallel-size", type=click.IntRange(min=1), default=None,
               help="Processes (GPUs on CUDA) the model is sharded across [default: 1]")
 @click.option("--tensor-parallel-timeout-s", type=float, default=None,

@@ -66,3 +66,10 @@ def test_the_other_engines_take_their_knobs_from_the_same_config(engine, cls):
     accepted = inspect.signature(cls.from_model_dir).parameters
     for name in HONOURED[engine]:
         assert name in {f.name for f in KNOBS} and name in accepted, f"{engine}: {name}"
+
+
+def test_the_linear_kernel_option_offers_every_path():
+    from worker.models.linear import PATHS
+
+    option = next(p for p in worker_command.params if p.name == "cpu_linear_kernel")
+    assert set(option.type.choices) == {"auto", *PATHS}
