@@ -155,7 +155,7 @@ class Admission:
         self.faults.crash_if_marked(entry.prompt, entry.messages)
         params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
         resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
-        self.engine.add_request(rid, prompt_ids, params, resume)
+        self.engine.add_request(rid, prompt_ids, params, resume, tenant=p.claim.tenant or None)
         self.outbox.logs.start(rid, ckpt.size)
         self.metrics.admitted(entry, len(prompt_ids), resumed=p.times_delivered > 0)
         act = self.inflight.add(rid, Active(

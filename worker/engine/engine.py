@@ -52,7 +52,7 @@ class LLMEngine(ModelFacts):
         self.requests: dict[str, list[Sequence]] = {}
         self._aborted: list[RequestOutput] = []  # reported on the next step
         self.grammars = Grammars(tokenizer, self.vocab_size, eos_ids, config.structured_max_spec_bytes,
-                                 int(config.structured_cache_mb * 2**20))
+                                 int(config.structured_cache_mb * 2**20), config.structured_compile_timeout_s)
         self.compiling = CompilingRequests(config.structured_compile_timeout_s)
         self.think_markers = think_markers(config.reasoning_parser, tokenizer)
 
@@ -61,9 +61,10 @@ class LLMEngine(ModelFacts):
         return cls(EngineConfig(model_dir=str(model_dir), **overrides))
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume: Resume | None = None) -> None:
+                    resume: Resume | None = None, tenant: str | None = None) -> None:
         """All or nothing: the sequences are built (and a resumed one's tokens replayed) before any
-        enters the scheduler, so a request that raises here leaves no trace in the engine."""
+        enters the scheduler, so a request that raises here leaves no trace in the engine. `tenant`
+        (the key the worker read from the entry) takes its turn for a grammar compile."""
         # Nothing is reserved: blocks are allocated as the sequence grows, preemption handles
         # pressure, and start-up sized max_model_len to what the pool holds, so whatever passes
         # the context check (a request without max_tokens: the rest of the context) can run.
@@ -71,7 +72,7 @@ class LLMEngine(ModelFacts):
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         spec = params.structured_outputs
-        grammar = self.grammars.submit(spec) if spec is not None else None  # refuses an oversized spec
+        grammar = self.grammars.submit(spec, tenant) if spec is not None else None  # refuses an oversized spec
         resume = resume or Resume()
         seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)
                 if i not in resume.finished]

@@ -65,7 +65,7 @@ class HFEngine(ModelFacts):
         return cls(model, tokenizer, eos_token_ids(model_dir, tokenizer), max_len)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume: Resume | None = None) -> None:
+                    resume: Resume | None = None, tenant: str | None = None) -> None:
         self.check_request(prompt_ids, params, resume)
         resume = resume or Resume()
         for index in range(params.n):

@@ -2,7 +2,11 @@
 EBNF) compiled by xgrammar against the model's vocabulary, off the step loop, once per distinct spec.
 
 Compiles run on a small thread pool (xgrammar releases the GIL while it compiles), so a slow one
-delays only its own request, which waits outside the batch until its grammar is ready. Results are
+delays only its own request, which waits outside the batch until its grammar is ready. Tenants take
+turns at the pool, one compile running per tenant: a compile cannot be stopped, so one past its
+deadline still holds its thread, and a tenant sending slow schemas must not make every other
+tenant's constrained requests wait behind them (requests without a tenant share the whole pool).
+A queued compile that every request wanting it gave up on is dropped, not run. Results are
 kept in an LRU keyed by a hash of the spec, bounded in entries and in bytes (a compiled grammar's
 token masks grow with the vocabulary: a 28 KB schema of 300 integer ranges holds 44 MB with a 32k
 vocabulary, so 256 of them would be 11 GB); one larger than the whole bound is refused. A failed
@@ -16,7 +20,7 @@ import json
 import re
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from shared.sampling import SCHEMA_DEPTH, StructuredOutputs, json_depth
@@ -87,33 +91,75 @@ class Grammars:
     """The compiler for one model's vocabulary, its thread pool and its LRU of compiled grammars."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, max_spec_bytes: int,
-                 cache_bytes: int = 512 << 20):
+                 cache_bytes: int = 512 << 20, compile_timeout_s: float = float("inf")):
         self._tokenizer, self._vocab_size = tokenizer, vocab_size
         self._eos_token_ids = sorted(eos_token_ids)
         self.max_spec_bytes, self.cache_bytes = max_spec_bytes, cache_bytes
+        self.compile_timeout_s = compile_timeout_s
         self._compiler = None  # built on the first constrained request
         self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar")
         self._cache: OrderedDict[str, Future] = OrderedDict()
         self._sizes: dict[str, int] = {}  # bytes of each cached grammar, once compiled
         self._cache_lock = threading.RLock()  # compiles end on the pool's threads (or at once, in submit)
+        # compiles not started, per tenant in turn: (cache key, spec, the future its requests hold)
+        self._queued: dict[str | None, deque[tuple[str, StructuredOutputs, Future]]] = {}
+        self._wanted: dict[str, float] = {}  # cache key -> when the last request wanting it gives up
+        self._running: dict[str | None, int] = {}  # compiles on the pool per tenant
         self.compile_seconds: list[float] = []  # each compile's wall time (the benchmark reads it)
 
     @property
     def cached_bytes(self) -> int:
         return sum(self._sizes.values())
 
-    def submit(self, spec: StructuredOutputs) -> Future:
-        """The compiled grammar's future: cached (done) or compiling now on the pool."""
+    def submit(self, spec: StructuredOutputs, tenant: str | None = None) -> Future:
+        """The compiled grammar's future: cached (done), compiling, or queued for `tenant`'s turn."""
         key = check_spec(spec, self.max_spec_bytes)
         with self._cache_lock:
             future = self._cache.get(key)
             if future is None:
-                future = self._cache[key] = self._pool.submit(self._compile, spec)
+                future = self._cache[key] = Future()
                 future.add_done_callback(lambda done: self._sized(key, done))
+                self._queued.setdefault(tenant, deque()).append((key, spec, future))
+            if not future.done():
+                self._wanted[key] = time.monotonic() + self.compile_timeout_s
             self._cache.move_to_end(key)
             self._trim()
+            self._dispatch()
         return future
+
+    def _dispatch(self) -> None:
+        """Each tenant without a compile running starts its next one (the tenant-less share all
+        COMPILE_THREADS); a tenant with more queued goes to the back of the turn."""
+        for tenant in list(self._queued):
+            queue = self._queued.pop(tenant)
+            while queue and self._running.get(tenant, 0) < (COMPILE_THREADS if tenant is None else 1):
+                key, spec, future = queue.popleft()
+                if time.monotonic() > self._wanted.pop(key, 0.0):  # its requests all timed out
+                    if self._cache.get(key) is future:
+                        del self._cache[key]
+                    future.set_exception(EngineRejected(
+                        f"the structured_outputs grammar did not compile within {self.compile_timeout_s:g} s "
+                        "(structured_compile_timeout_s)", CODE, PARAM))
+                    continue
+                self._running[tenant] = self._running.get(tenant, 0) + 1
+                self._pool.submit(self._run, tenant, spec, future)
+            if queue:
+                self._queued[tenant] = queue
+
+    def _run(self, tenant: str | None, spec: StructuredOutputs, future: Future) -> None:
+        """On the pool: compile, let the tenant's next compile start, then answer its requests."""
+        try:
+            grammar, error = self._compile(spec), None
+        except Exception as exc:
+            grammar, error = None, exc
+        with self._cache_lock:
+            self._running[tenant] -= 1
+            self._dispatch()
+        if error is None:
+            future.set_result(grammar)
+        else:
+            future.set_exception(error)
 
     def _sized(self, key: str, future: Future) -> None:
         """A compile ended: its grammar's bytes count against the cache's bound."""

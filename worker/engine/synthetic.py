@@ -51,7 +51,7 @@ class SyntheticEngine(ModelFacts):
         return token, tokenizer.decode([token])
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    resume: Resume | None = None) -> None:
+                    resume: Resume | None = None, tenant: str | None = None) -> None:
         """A resumed request continues each unfinished choice after the tokens it already sent."""
         self.check_request(prompt_ids, params, resume)
         if request_id in self.choices:

@@ -298,6 +298,42 @@ def test_a_grammar_larger_than_the_cache_is_refused(tiny_model_dir):
     assert len(out["free"][0][0]) == 4 and small.grammars.cached_bytes == 0
 
 
+def test_tenants_take_turns_at_the_compile_pool(tiny_model_dir):
+    """A tenant's compiles run one at a time and tenants take turns: one sending slow schemas (a
+    compile cannot be stopped, so each holds a thread to its end) does not make another's wait
+    behind all of them. Before, the pool was first come first served, two at once."""
+    grammars = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64).grammars
+    slow = [grammars.submit(_ranges(120, salt), tenant="flood") for salt in range(3)]
+    quick = grammars.submit(StructuredOutputs(regex="[0-9]{3}"), tenant="light")
+    order = []
+    for future, name in [(quick, "light"), *((f, f"flood{i}") for i, f in enumerate(slow))]:
+        future.add_done_callback(lambda _, name=name: order.append(name))
+    for future in slow:
+        future.result()
+    assert order.index("light") < order.index("flood1"), order  # not behind the flood's queue
+
+
+def test_the_tenantless_share_the_whole_pool(tiny_model_dir):
+    grammars = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64).grammars
+    both = [grammars.submit(_ranges(120, 100 + salt)) for salt in range(2)]
+    assert grammars._running.get(None) == 2  # neither waits for the other (an in-process engine)
+    assert all(f.result().memory_size_bytes > 0 for f in both)
+
+
+def test_a_queued_compile_its_requests_gave_up_on_is_dropped(tiny_model_dir):
+    impatient = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64,
+                                         structured_compile_timeout_s=0.05)
+    grammars, before = impatient.grammars, len(impatient.grammars.compile_seconds)
+    first = grammars.submit(_ranges(120, 200), tenant="a")
+    second = grammars.submit(_ranges(120, 201), tenant="a")  # waits for the first, past its deadline
+    assert first.result().memory_size_bytes > 0
+    with pytest.raises(EngineRejected, match="structured_compile_timeout_s"):
+        second.result(timeout=30)
+    assert len(grammars.compile_seconds) == before + 1  # the second never ran
+    again = grammars.submit(_ranges(120, 201), tenant="a")  # asked again: not the dropped one's error
+    assert again is not second and again.result().memory_size_bytes > 0
+
+
 def test_the_compile_cache_compiles_each_spec_once(engine):
     before = len(engine.grammars.compile_seconds)
     spec = {"type": "object", "required": ["only"], "properties": {"only": {"enum": [1, 2]}}}
