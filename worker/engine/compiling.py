@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from worker.engine.base import request_error
 from worker.engine.sequence import Sequence, SequenceStatus
-from worker.engine.structured import CODE, PARAM
+from worker.engine.structured import CODE, PARAM, timed_out
 from worker.engine.types import RequestError
 
 
@@ -48,9 +48,7 @@ class CompilingRequests:
             if w.future.done():
                 out.append((w.seqs, _result(request_id, w.future)))
             elif now >= w.deadline:
-                out.append((w.seqs, RequestError(
-                    CODE, f"the structured_outputs grammar did not compile within {self.timeout_s:g} s "
-                    "(structured_compile_timeout_s); simplify the schema", param=PARAM)))
+                out.append((w.seqs, RequestError(CODE, timed_out(self.timeout_s), param=PARAM)))
             else:
                 continue
             del self._waiting[request_id]

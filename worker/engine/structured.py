@@ -6,12 +6,13 @@ delays only its own request, which waits outside the batch until its grammar is 
 turns at the pool, one compile running per tenant: a compile cannot be stopped, so one past its
 deadline still holds its thread, and a tenant sending slow schemas must not make every other
 tenant's constrained requests wait behind them (requests without a tenant share the whole pool).
-A queued compile that every request wanting it gave up on is dropped, not run. Results are
-kept in an LRU keyed by a hash of the spec, bounded in entries and in bytes (a compiled grammar's
-token masks grow with the vocabulary: a 28 KB schema of 300 integer ranges holds 44 MB with a 32k
+A queued compile that every request wanting it gave up on is dropped, not run. Results are kept
+in an LRU keyed by a hash of the spec, bounded in entries and in bytes (a compiled grammar's token
+masks grow with the vocabulary: a 28 KB schema of 300 integer ranges holds 44 MB with a 32k
 vocabulary, so 256 of them would be 11 GB); one larger than the whole bound is refused. A failed
-compile is remembered as well, so a bad spec sent again fails at once. xgrammar is imported lazily: the GPU image has no xgrammar and an
-engine without constrained requests never needs it (tests/ops/test_gpu_image_imports.py).
+compile is remembered as well, so a bad spec sent again fails at once. xgrammar is imported
+lazily: the GPU image has no xgrammar and an engine without constrained requests never needs it
+(tests/ops/test_gpu_image_imports.py).
 """
 from __future__ import annotations
 
@@ -69,6 +70,12 @@ def check_spec(spec: StructuredOutputs, max_bytes: int) -> str:
         raise EngineRejected("structured_outputs choice must be a non-empty list of non-empty strings",
                              CODE, PARAM)
     return hashlib.blake2b(f"{kind}\0{text}".encode(), digest_size=16).hexdigest()
+
+
+def timed_out(timeout_s: float) -> str:
+    """What a request whose grammar was not ready within structured_compile_timeout_s is told."""
+    return (f"the structured_outputs grammar did not compile within {timeout_s:g} s "
+            "(structured_compile_timeout_s); simplify the schema")
 
 
 def json_schema_ebnf(schema: str) -> str:
@@ -138,9 +145,7 @@ class Grammars:
                 if time.monotonic() > self._wanted.pop(key, 0.0):  # its requests all timed out
                     if self._cache.get(key) is future:
                         del self._cache[key]
-                    future.set_exception(EngineRejected(
-                        f"the structured_outputs grammar did not compile within {self.compile_timeout_s:g} s "
-                        "(structured_compile_timeout_s)", CODE, PARAM))
+                    future.set_exception(EngineRejected(timed_out(self.compile_timeout_s), CODE, PARAM))
                     continue
                 self._running[tenant] = self._running.get(tenant, 0) + 1
                 self._pool.submit(self._run, tenant, spec, future)

@@ -215,9 +215,9 @@ def test_refused_at_add_request_without_a_trace(engine, spec, words):
 def test_a_compile_past_its_time_bound_fails_its_request(tiny_model_dir):
     quick = LLMEngine.from_model_dir(tiny_model_dir, device="cpu", dtype="float32", num_blocks=64,
                                      structured_compile_timeout_s=1e-4)
-    big = {"type": "object", "required": [f"k{i}" for i in range(80)],
-           "properties": {f"k{i}": {"type": "string", "pattern": "[a-z]{3,40}"} for i in range(80)}}
-    out = run(quick, {"slow": (PROMPT, json_params(big)),
+    # ~0.9 s to compile: far longer than the ~30 ms xgrammar can hold the GIL in one go, which could
+    # let a 40 ms compile finish before the first step looked at it
+    out = run(quick, {"slow": (PROMPT, SamplingParams(max_tokens=120, structured_outputs=_ranges(300))),
                       "free": (PROMPT, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))})
     assert out["slow"][0][3].code == "invalid_structured_output"
     assert "structured_compile_timeout_s" in out["slow"][0][3].message
