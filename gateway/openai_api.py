@@ -141,8 +141,8 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     # the version's breaker is passed at the XADD, in its round trip
     outcome = await state.router.choose(body.model, lease.key, forced, through_breaker=False)
     facts, outputs, entry = await _prepared(state, lease, call, outcome.version)
-    if constraint is not None:
-        await structured.check(constraint, state.settings.grammar_check_timeout_s)
+    tools = body.tools if call.kind == "chat" else None
+    await state.checker.check(structured.checks(constraint, tools), lease.key.id)
     limits = await _limits(request, state, lease, call, facts.max_model_len)
     logs.rename_request(entry.request_id)
     try:  # the key's limits, then the XADD: one round trip when they can share it (dispatch.py)

@@ -11,6 +11,7 @@ from redis.exceptions import ConnectionError, TimeoutError
 
 from gateway.batch_queue import BatchQueue
 from gateway.breaker import Breaker
+from gateway.checker import Checker
 from gateway.dispatch import Dispatcher
 from gateway.keystore import KeyStore
 from gateway.limits import Limits
@@ -48,6 +49,7 @@ class GatewayState:
     streams: StreamLeases  # streams that outlive their client or their gateway, settled once
     loop_lag: LoopLag
     pool_trim: PoolTrim  # a burst's Redis connections close once idle
+    checker: Checker  # schemas, regexes and grammars, checked in a process of their own
 
     @classmethod
     def connect(cls, settings: GatewaySettings, throttle: Throttle) -> GatewayState:
@@ -77,7 +79,9 @@ class GatewayState:
             streams=StreamLeases(client, settings.gateway_id, settings.resume_grace_s, limits, usage,
                                  dispatcher.cancel_soon),
             loop_lag=LoopLag(),
-            pool_trim=PoolTrim(getattr(client, "connection_pool", None), settings.redis_idle_timeout_s))
+            pool_trim=PoolTrim(getattr(client, "connection_pool", None), settings.redis_idle_timeout_s),
+            checker=Checker(settings.grammar_check_timeout_s, settings.grammar_check_processes,
+                            settings.grammar_check_memory_mb))
 
     async def start(self) -> None:
         await self.dispatcher.start()  # subscribed before any request can be dispatched
@@ -92,6 +96,7 @@ class GatewayState:
         await self.streams.stop()
         await self.rescuer.stop()
         await self.dispatcher.stop()
+        await self.checker.stop()
         await self.redis.aclose()
 
 

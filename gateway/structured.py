@@ -5,8 +5,6 @@ and every constraint must compile (xgrammar's grammar front end needs no tokeniz
 never meets a constraint it cannot build. The engine compiles it again against its vocabulary."""
 from __future__ import annotations
 
-import asyncio
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,65 +77,82 @@ def one(constraints: list[Constraint]) -> Constraint | None:
     return constraints[0] if constraints else None
 
 
-def meta_check(schema: Any, param: str) -> None:
-    """400 unless `schema` is a valid JSON schema (checked against its own meta-schema), nested
-    no deeper than SCHEMA_DEPTH."""
+@dataclass(frozen=True)
+class Check:
+    """One thing to check before a request is queued: `kind` is schema (a tool's parameters: the
+    meta-check), json (the meta-check and the compile), regex or grammar."""
+    kind: str
+    text: str
+    param: str
+
+    def refusal(self, code: str, detail: str) -> InvalidRequest:
+        """The 400 for a `problem` this check's text has, naming where the client sent it."""
+        if code == "invalid_schema":
+            return InvalidRequest(f"{self.param}{detail}", param=self.param, code=code)
+        return InvalidStructuredOutput(f"{self.param}{detail}", param=self.param)
+
+    def late(self, timeout_s: float) -> InvalidStructuredOutput:
+        """The 400 for a check that ran past the checker's time bound."""
+        what = "could not be checked" if self.kind == "schema" else "did not compile"
+        return InvalidStructuredOutput(f"{self.param} {what} within {timeout_s:g} s; simplify it",
+                                       param=self.param)
+
+
+def checks(constraint: Constraint | None, tools) -> list[Check]:
+    """What a request's tools and constraint need checked (json_object and choice: nothing a
+    client could get wrong)."""
+    found = [Check("schema", orjson.dumps(tool.function.parameters).decode(),
+                   f"tools.{i}.function.parameters")
+             for i, tool in enumerate(tools or ()) if tool.function.parameters is not None]
+    so = constraint.outputs if constraint is not None else None
+    for kind in ("json", "regex", "grammar"):
+        if so is not None and getattr(so, kind) is not None:
+            found.append(Check(kind, getattr(so, kind), constraint.param))
+    return found
+
+
+def problem(kind: str, text: str) -> tuple[str, str] | None:
+    """What is wrong with one check's text, as (code, the message after the param), or None. Slow
+    (Python's jsonschema, xgrammar's front end) and run where it cannot stall the gateway (the
+    checker process, gateway/checker.py)."""
+    if kind in ("schema", "json"):
+        try:
+            schema = orjson.loads(text)
+        except orjson.JSONDecodeError as exc:
+            return "invalid_schema", f": the schema is not JSON: {exc}"
+        found = _meta_problem(schema)
+        if found is not None or kind == "schema":
+            return found
+    import xgrammar as xgr
+
+    try:
+        if kind == "json":
+            xgr.Grammar.from_json_schema(text)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(text)
+        else:
+            xgr.Grammar.from_ebnf(text)
+    except RuntimeError as exc:  # xgrammar's parse errors: "[time] file.cc:line: what went wrong"
+        return "invalid_structured_output", f" does not compile: {str(exc).strip().split(': ', 1)[-1]}"
+    return None
+
+
+def _meta_problem(schema: Any) -> tuple[str, str] | None:
+    """Unless `schema` is a valid JSON schema (checked against its own meta-schema), nested no
+    deeper than SCHEMA_DEPTH: what is wrong with it."""
     import jsonschema  # imported on first use: most requests carry no schema
 
     if not isinstance(schema, (dict, bool)):
-        raise InvalidRequest(f"{param}: a JSON schema must be an object", param=param,
-                             code="invalid_schema")
+        return "invalid_schema", ": a JSON schema must be an object"
     if json_depth(schema) > SCHEMA_DEPTH:
-        raise InvalidRequest(f"{param}: the schema nests deeper than {SCHEMA_DEPTH} levels",
-                             param=param, code="invalid_schema")
+        return "invalid_schema", f": the schema nests deeper than {SCHEMA_DEPTH} levels"
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator
                                             ).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.absolute_path) or "the top"
-        raise InvalidRequest(f"{param} is not a valid JSON schema at {where}: {exc.message}",
-                             param=param, code="invalid_schema") from None
+        return "invalid_schema", f" is not a valid JSON schema at {where}: {exc.message}"
     except RecursionError:
-        raise InvalidRequest(f"{param}: the schema is nested too deeply", param=param,
-                             code="invalid_schema") from None
+        return "invalid_schema", ": the schema is nested too deeply"
+    return None
 
-
-@functools.cache
-def _xgrammar():
-    import xgrammar  # slow to import (it brings torch): once, off the event loop
-
-    return xgrammar
-
-
-@functools.lru_cache(maxsize=256)  # agents send the same schema again and again; only a pass is kept
-def _checked(json_text: str | None, regex: str | None, grammar: str | None, param: str) -> None:
-    xgr = _xgrammar()
-    if json_text is not None:
-        try:
-            schema = orjson.loads(json_text)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"{param}: the schema is not JSON: {exc}", param=param,
-                                 code="invalid_schema") from None
-        meta_check(schema, param)
-        xgr.Grammar.from_json_schema(json_text)
-    elif regex is not None:
-        xgr.Grammar.from_regex(regex)
-    elif grammar is not None:
-        xgr.Grammar.from_ebnf(grammar)
-
-
-async def check(constraint: Constraint, timeout_s: float) -> None:
-    """400 naming the problem unless the constraint is valid and compiles within `timeout_s`."""
-    so, param = constraint.outputs, constraint.param
-    if so.json is None and so.regex is None and so.grammar is None:
-        return  # json_object and choice: nothing a client could get wrong here
-    await asyncio.to_thread(_xgrammar)
-    try:
-        await asyncio.wait_for(asyncio.to_thread(_checked, so.json, so.regex, so.grammar, param),
-                               timeout_s)
-    except asyncio.TimeoutError:
-        raise InvalidStructuredOutput(f"{param} did not compile within {timeout_s:g} s; simplify it",
-                                      param=param) from None
-    except RuntimeError as exc:  # xgrammar's parse errors: "[time] file.cc:line: what went wrong"
-        problem = str(exc).strip().split(": ", 1)[-1]
-        raise InvalidStructuredOutput(f"{param} does not compile: {problem}", param=param) from None

@@ -15,7 +15,6 @@ from typing import Any
 import orjson
 
 from gateway.agent_schemas import NamedToolChoice, Tool
-from gateway.structured import meta_check
 from shared import tool_parsers as tp
 from shared.errors import InvalidRequest
 from shared.sampling import StructuredOutputs
@@ -53,8 +52,9 @@ def named(tools: list[Tool], choice: NamedToolChoice) -> Tool:
 
 
 def check(tools: list[Tool] | None, choice, parser: str | None) -> None:
-    """400 for tools kvgate cannot serve: a type other than function, a name twice, parameters that
-    are no JSON schema, or `auto` on a model whose workers register no parser to find calls with."""
+    """400 for tools kvgate cannot serve: a type other than function, a name twice, or `auto` on a
+    model whose workers register no parser to find calls with. (Whether their parameters are JSON
+    schemas is the checker's to say: gateway/checker.py.)"""
     seen: set[str] = set()
     for i, tool in enumerate(tools or ()):
         if tool.type != "function":
@@ -64,8 +64,6 @@ def check(tools: list[Tool] | None, choice, parser: str | None) -> None:
             raise InvalidRequest(f"tools[{i}]: the function name '{tool.function.name}' is used "
                                  f"twice", param=f"tools.{i}.function.name")
         seen.add(tool.function.name)
-        if tool.function.parameters is not None:
-            meta_check(tool.function.parameters, f"tools.{i}.function.parameters")
     if tools and choice == "auto" and parser is None:
         raise InvalidRequest("tool_choice auto needs a tool-call parser for this model, and its "
                              "workers register none (--tool-call-parser); use tool_choice "

@@ -141,6 +141,11 @@ class GatewaySettings(FilesSettings):
     grammar_check_timeout_s: float = Field(2.0, gt=0, description="Longest the gateway spends "
                                            "compiling a request's JSON schema, regex or grammar "
                                            "to check it (400 beyond: simplify it)")
+    grammar_check_processes: int = Field(2, ge=1, le=64, description="Checks of schemas, regexes "
+                                         "and grammars run at once, each in a child process of "
+                                         "the gateway's checker (one per API key at a time)")
+    grammar_check_memory_mb: int = Field(1024, ge=64, description="Memory one request's checks "
+                                         "may take in the checker (400 beyond: simplify it)")
     default_reserve_tokens: int = Field(2048, ge=0, description="Completion tokens a request "
                                         "without max_tokens reserves against its key's TPM and "
                                         "daily budget (capped at the context its prompt leaves; "

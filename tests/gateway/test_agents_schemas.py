@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import jsonschema
@@ -12,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway import structured, tool_calls
+from gateway.checker import Checker
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.unsupported import check_supported
 from shared import tool_parsers as tp
@@ -112,13 +114,27 @@ def test_a_whole_message_with_calls_has_null_content():
     assert plain.message("hi") == {"role": "assistant", "content": "hi"} and plain.finish_reason("stop") == "stop"
 
 
-def _check(constraint_fields: dict) -> InvalidRequest | None:
-    c = _chat(**constraint_fields).constraint()
-    try:
-        asyncio.run(structured.check(c, 10))
-    except InvalidRequest as exc:
-        return exc
-    return None
+@pytest.fixture(scope="module")
+def check():
+    """The gateway's checker (its own process, started once here), asked about a body's checks: the
+    400 it answers, or None."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    checker = Checker(10, 1, 1024)
+
+    def run(fields: dict) -> InvalidRequest | None:
+        body = _chat(**fields)
+        try:
+            asyncio.run_coroutine_threadsafe(
+                checker.check(structured.checks(body.constraint(), body.tools), "key"), loop).result(60)
+        except InvalidRequest as exc:
+            return exc
+        return None
+    yield run
+    asyncio.run_coroutine_threadsafe(checker.stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join()
 
 
 @pytest.mark.parametrize("fields, param, words", [
@@ -130,18 +146,21 @@ def _check(constraint_fields: dict) -> InvalidRequest | None:
     ({"guided_regex": "[a-"}, "guided_regex", "does not compile"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "undefined_rule"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
-      "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "tool_choice", "valid JSON"),
+      "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"},
+     "tools.0.function.parameters", "valid JSON"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}],
+      "tool_choice": "none"}, "tools.0.function.parameters", "valid JSON"),
 ])
-def test_a_constraint_that_is_invalid_or_does_not_compile_is_a_400_naming_it(fields, param, words):
-    err = _check(fields)
+def test_a_constraint_that_is_invalid_or_does_not_compile_is_a_400_naming_it(check, fields, param, words):
+    err = check(fields)
     assert err is not None and err.status == 400 and err.param == param and words in err.message, err
 
 
-def test_valid_constraints_pass_the_check():
+def test_valid_constraints_pass_the_check(check):
     for fields in ({"response_format": {"type": "json_object"}}, {"guided_regex": "[a-z]{3}"},
                    {"guided_grammar": 'root ::= "yes" | "no"'}, {"guided_choice": ["a"]},
                    {"tools": [WEATHER], "tool_choice": "required"}):
-        assert _check(fields) is None, fields
+        assert check(fields) is None, fields
 
 
 def test_tools_kvgate_cannot_serve_are_400s():
@@ -149,8 +168,6 @@ def test_tools_kvgate_cannot_serve_are_400s():
     assert _refusal(tool_calls.check, bad_type.tools, "auto", "hermes").param == "tools.0.type"
     twice = _chat(tools=[WEATHER, WEATHER])
     assert _refusal(tool_calls.check, twice.tools, "auto", "hermes").param == "tools.1.function.name"
-    broken = _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 7}}}])
-    assert _refusal(tool_calls.check, broken.tools, "none", None).param == "tools.0.function.parameters"
     err = _refusal(tool_calls.check, _chat(tools=[WEATHER]).tools, "auto", None)
     assert err.param == "tool_choice" and "parser" in err.message
     tool_calls.check(_chat(tools=[WEATHER]).tools, "required", None)  # forced: no parser needed
@@ -210,7 +227,7 @@ def test_parallel_tool_calls_false_keeps_the_first_call_of_an_auto_output():
     assert [c["function"]["name"] for c in both["tool_calls"]] == ["a", "b"]
 
 
-def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled():
+def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled(check):
     from gateway import bounds
     from shared.sampling import json_depth
 
@@ -218,7 +235,7 @@ def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled():
     for _ in range(bounds.SCHEMA_DEPTH):
         deep = {"type": "array", "items": deep}
     started = time.monotonic()
-    err = _check({"guided_json": deep})
+    err = check({"guided_json": deep})
     assert err.param == "guided_json" and "deeper than" in err.message
     assert time.monotonic() - started < 5
     assert json_depth({"a": [1, {"b": {}}]}) == 4 and json_depth(5) == 0
