@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import orjson
 import redis
@@ -31,6 +34,24 @@ from worker.thinking import Markers, ThinkingSplit
 
 log = logging.getLogger("kvgate.worker")
 
+INLINE_BYTES = 8 << 10  # an entry this small has its prompt made on the loop (~4 ms at most)
+
+
+@dataclass
+class Waiting:
+    """An admitted entry whose prompt (or tokenizer answer) is being made off the serving loop:
+    `work` makes it, `then` admits the entry with it."""
+    pending: PendingEntry
+    entry: protocol.RequestEntry
+    ckpt: checkpoint.Checkpoint
+    work: Callable
+    then: Callable
+
+
+def short(p: PendingEntry) -> bool:
+    """An entry this small has its prompt made on the serving loop, at admission."""
+    return len(p.raw) <= INLINE_BYTES
+
 
 def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) -> SamplingParams:
     """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
@@ -49,23 +70,40 @@ class Admission:
         self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker,
                              s.fault_step_ms)
 
-    def admit(self, p: PendingEntry) -> None:
+    def admit(self, p: PendingEntry) -> Waiting | None:
+        """None once it is admitted or answered; a `Waiting` when its prompt is long and is to be
+        made off the serving loop (worker/prompt_thread.py), then `resume`d."""
         entry = self._decode(p)
         if entry is None or self._cancelled(p, entry):
-            return
+            return None
         rid = entry.request_id
         ckpt = checkpoint.load(self.client, rid) if p.times_delivered else checkpoint.Checkpoint()
         if ckpt.done:  # its worker died after the last reply: nothing left to do
             self.outbox.finish(p.entry_id, rid, p.stream)
-            return
+            return None
         if refusal := self._refusal(entry, ckpt, p.times_delivered):
             self._fail(p, entry, ckpt, *refusal)
-            return
+            return None
         if entry.kind in protocol.TOKENIZER_KINDS:  # /tokenize, /detokenize: the engine never sees it
-            self._answer_from_tokenizer(p, entry, ckpt)
+            then, work = self._answer_from_tokenizer, partial(
+                tokenizer_kinds.answer, self.tokenizer, entry, ckpt.last_seq + 1, self.engine.max_model_len)
+        else:
+            self.faults.delay()
+            then, work = self._add, partial(self._prompt_ids, entry)
+        if not short(p) and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None):
+            return Waiting(p, entry, ckpt, work, then)
+        then(p, entry, ckpt, work)
+        return None
+
+    def resume(self, waiting: Waiting, made: Callable) -> None:
+        """A long prompt made off the loop (`made()`: its result, or raises what making it raised):
+        admitted as any other, unless its cancel was heard meanwhile."""
+        p, entry = waiting.pending, waiting.entry
+        if self.heard is not None and entry.request_id in self.heard:
+            self.outbox.ack(p.entry_id, p.stream)
+            self.metrics.cancelled_unstarted()
             return
-        self.faults.delay()
-        self._add(p, entry, ckpt)
+        waiting.then(p, entry, waiting.ckpt, made)
 
     def _decode(self, p: PendingEntry) -> protocol.RequestEntry | None:
         """The entry, or None once an entry that does not decode is answered (when it names whom
@@ -129,12 +167,13 @@ class Admission:
             return "engine_error", "injected fault (--fault-error-rate)"
         return None
 
-    def _add(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint) -> None:
-        """Start it in the engine; an input the engine refuses, or a bug its content reached, ends
-        this request alone."""
+    def _add(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
+             prompt: Callable[[], list[int]]) -> None:
+        """Start it in the engine (`prompt()`: its prompt ids); an input the engine refuses, or a
+        bug its content reached, ends this request alone."""
         rid = entry.request_id
         try:
-            self._start(p, entry, ckpt)
+            self._start(p, entry, ckpt, prompt)
         except REDIS_ERRORS:
             raise
         except EngineRejected as exc:
@@ -149,9 +188,10 @@ class Admission:
             self._fail(p, entry, ckpt, errors.EngineFailure.code,
                        f"the worker failed to start this request ({type(exc).__name__})")
 
-    def _start(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint) -> None:
+    def _start(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
+               prompt: Callable[[], list[int]]) -> None:
         rid = entry.request_id
-        prompt_ids = self._prompt_ids(entry)
+        prompt_ids = prompt()
         self.faults.crash_if_marked(entry.prompt, entry.messages)
         params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
         resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
@@ -170,13 +210,12 @@ class Admission:
             self.inflight.verdict(rid, act)
 
     def _answer_from_tokenizer(self, p: PendingEntry, entry: protocol.RequestEntry,
-                               ckpt: checkpoint.Checkpoint) -> None:
-        """Its answer, then done (the tokens counted as prompt, none generated), acknowledged at
-        once; an input the tokenizer or template refuses fails alone, as at `_add`."""
+                               ckpt: checkpoint.Checkpoint, answer: Callable) -> None:
+        """Its answer (`answer()`), then done (the tokens counted as prompt, none generated),
+        acknowledged at once; an input the tokenizer or template refuses fails alone, as at `_add`."""
         rid = entry.request_id
         try:
-            delta, counted = tokenizer_kinds.answer(self.tokenizer, entry, ckpt.last_seq + 1,
-                                                    self.engine.max_model_len)
+            delta, counted = answer()
         except EngineRejected as exc:
             self._fail(p, entry, ckpt, exc.code, str(exc), exc.param, when=REJECTED)
             return

@@ -92,12 +92,14 @@ class StreamConsumer:
                 count=1, block=100)))
             self.last_read = time.monotonic()
 
-    def next(self) -> PendingEntry | None:
+    def next(self, fits: Callable[[PendingEntry], bool] | None = None) -> PendingEntry | None:
         """The entry to admit now, out of the backlog (hand it back with `put_back` if Redis fails
-        before it is admitted): interactive first, then FIFO's oldest or the fair order's choice."""
-        if not self.backlog:
+        before it is admitted): interactive first, then FIFO's oldest or the fair order's choice;
+        only among those that `fits`, when given."""
+        among = [i for i, p in enumerate(self.backlog) if fits is None or fits(p)]
+        if not among:
             return None
-        best = min(range(len(self.backlog)), key=lambda i: self._rank(self.backlog[i]))
+        best = min(among, key=lambda i: self._rank(self.backlog[i]))
         return self.backlog.pop(best)
 
     def peek(self) -> PendingEntry | None:

@@ -3,7 +3,8 @@ runs them on an engine, and publishes every delta to the entry's reply channel, 
 log that lets another worker resume the request. The engine knows nothing of Redis; this does.
 
 `WorkerService` keeps the serving loop and composes the parts, one concept each: the stream consumer
-(worker/consumer.py), admission (worker/admission.py), the requests in flight and their replies
+(worker/consumer.py), admission (worker/admission.py; long prompts are made in worker/prompt_thread.py
+while the loop steps), the requests in flight and their replies
 (worker/inflight.py, worker/replies.py), the cancel listener (worker/cancels.py) and the registry
 heartbeat (worker/heartbeat.py). No Redis error ends the worker: what was read and not admitted waits
 in the consumer's backlog, what was not sent in the outbox; both go on when Redis answers again.
@@ -22,18 +23,21 @@ from shared.backoff import Backoff
 from shared.redis_client import sync_client
 from shared.redis_errors import REDIS_ERRORS, refusal
 from shared.settings import WorkerSettings
-from worker.admission import Admission
+from worker.admission import Admission, short
 from worker.cancels import CancelListener, HeardCancels
 from worker.consumer import PendingEntry, StreamConsumer
 from worker.fairness import FairOrder
 from worker.heartbeat import Heartbeat
 from worker.inflight import InFlight
 from worker.metrics import WorkerMetrics
+from worker.prompt_thread import PromptThread
 from worker.replies import Outbox
 from worker.engine.chat_markers import chat_markers
 from worker.thinking import Markers
 
 log = logging.getLogger("kvgate.worker")
+
+IDLE_WAIT_S = 0.05  # an idle loop waits this long at most for a long prompt being made
 
 
 class WorkerService:
@@ -63,6 +67,7 @@ class WorkerService:
         self.heard = HeardCancels(self.cancels)  # cancels of requests not running here (yet)
         self.admission = Admission(settings, self.redis, engine, tokenizer, self.outbox, self.metrics,
                                    self.inflight, markers, self.heard)
+        self.prompts = PromptThread()  # long prompts, made while the loop steps
         self.heartbeat = Heartbeat(self.redis, settings, self.stopping, self.registry_entry)
         self.step_s = math.inf  # how long the last engine step took (none yet: assume long)
 
@@ -83,6 +88,7 @@ class WorkerService:
                 except REDIS_ERRORS as exc:
                     self._on_redis_error(exc)
         finally:
+            self.prompts.close()
             self.heartbeat.deregister()
 
     def stop(self) -> None:
@@ -122,12 +128,15 @@ class WorkerService:
                 self.stopping.set()
                 return
         else:
+            self._admit_made()
             self._pull()
             if self._answer_first():
                 self.outbox.flush()
                 if self.outbox.refused:
                     return
         self._step()
+        if self.prompts and not draining and not self.engine.has_unfinished():
+            self.prompts.wait(IDLE_WAIT_S)  # nothing to step: the next thing to do is its admission
         self.inflight.release_due()
         reads = [] if draining else self.consumer.next_reads(self.engine.free_capacity(), self.yielding,
                                                              quiet=self.outbox.empty)
@@ -159,22 +168,40 @@ class WorkerService:
         """Admit what the consumer hands over, one entry at a time so each choice sees the counters
         the last one moved (what the last flush read, then orphans; when the engine is idle, a
         short blocking read)."""
-        room = self.engine.free_capacity() or self._make_room()
-        self.consumer.take(room, idle=not self.engine.has_unfinished(), known=self._known_entries)
-        for _ in range(room):
-            if (pending := self.consumer.next()) is None:
+        room = self.engine.free_capacity() - len(self.prompts)
+        if room <= 0 and not self.prompts:
+            room = self._make_room()
+        idle = not self.engine.has_unfinished() and not self.prompts
+        self.consumer.take(room, idle=idle, known=self._known_entries)
+        for _ in range(room):  # with the prompt thread full, short entries still start
+            if (pending := self.consumer.next(short if self.prompts.full() else None)) is None:
                 break
             try:
-                self.admission.admit(pending)
+                waiting = self.admission.admit(pending)
             except REDIS_ERRORS:  # this entry and the rest wait for Redis
                 self.consumer.put_back([pending])
                 raise
-            self._started(pending)
+            if waiting is not None:
+                self.prompts.submit(waiting)
+            else:
+                self._started(pending)
+
+    def _admit_made(self) -> None:
+        """The entries whose long prompts are made, admitted (in the order they were taken)."""
+        while (done := self.prompts.made()) is not None:
+            waiting, made = done
+            try:
+                self.admission.resume(waiting, made.result)
+            except REDIS_ERRORS:  # taken again from the backlog once Redis answers (made anew)
+                self.consumer.put_back([waiting.pending])
+                raise
+            self._started(waiting.pending)
 
     def _known_entries(self) -> set[bytes]:
-        """This worker's entries that are not lost: in flight, or over with their ack still queued
-        (a request cancelled in this iteration: claimed back, it was counted aborted twice)."""
-        return self.inflight.entry_ids() | self.outbox.acking()
+        """This worker's entries that are not lost: in flight, their long prompt being made, or over
+        with their ack still queued (a request cancelled in this iteration: claimed back, it was
+        counted aborted twice)."""
+        return self.inflight.entry_ids() | self.outbox.acking() | self.prompts.entry_ids()
 
     def _make_room(self) -> int:
         """A full batch, under the fair order: when the next entry's tenant is below its share of

@@ -1,0 +1,84 @@
+"""Long prompts are made off the serving loop (worker/prompt_thread.py): while one is rendered and
+tokenized, the requests already running go on getting tokens (on the loop, a 900k-character prompt
+held every one of them for ~0.45 s), and what the thread makes is what the loop would have made.
+One real worker process on a real Redis, fed by XADD as a gateway would."""
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+
+from shared import protocol
+from tests.integration.test_faults import Cluster
+from tests.worker.test_wire_schemas import Channel, entry, xadd
+from worker.admission import INLINE_BYTES
+
+LONG = "hello world, this is some text. " * 28_000  # ~900k characters: far beyond the context
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model_dir):
+    c = Cluster(tmp_path_factory.mktemp("long"), tiny_model_dir)
+    c.start_worker("w1")
+    yield c
+    c.close()
+
+
+def _next_items(ch: Channel, timeout: float = 20) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        message = ch.pubsub.get_message(timeout=0.5)
+        if message and message["type"] == "message":
+            items = orjson.loads(message["data"])
+            return items if isinstance(items, list) else [items]
+    raise AssertionError("no reply")
+
+
+def test_running_requests_get_tokens_while_a_long_prompt_is_made(cluster):
+    ch = Channel(cluster, "long-running")
+    xadd(cluster, protocol.encode(entry("runner", ch.name, prompt="Once upon a time",
+                                        params={"max_tokens": 1500})))
+    while not any(i["request_id"] == "runner" and i["type"] == "delta" for i in _next_items(ch)):
+        pass
+    xadd(cluster, protocol.encode(entry("long", ch.name, prompt=LONG)))
+    runner_tokens, runner_done, answer = 0, False, None
+    while answer is None:
+        for item in _next_items(ch):
+            if item["request_id"] == "long":
+                answer = item
+            elif item["type"] == "delta":
+                runner_tokens += len(item["token_ids"])
+            else:
+                runner_done = True
+    assert answer["type"] == "error" and answer["code"] == "context_length_exceeded", answer
+    # tokenizing it took ~0.45 s; on the loop, no step would have run in that time
+    assert runner_tokens >= 20 or runner_done, runner_tokens
+
+
+def test_a_long_prompt_made_in_the_thread_is_the_tokenizers_own(cluster, tiny_model_dir):
+    from worker.engine.tokenizer import encode_prompt, load_tokenizer
+
+    text = "kvgate makes long prompts off the loop. " * 400
+    assert len(text) > INLINE_BYTES
+    ch = Channel(cluster, "long-tokenize")
+    tokenize = entry("tok", ch.name, prompt=text).model_copy(update={"kind": "tokenize"})
+    xadd(cluster, protocol.encode(tokenize))
+    replies = ch.raw_replies("tok")
+    assert replies[-1]["type"] == "done", replies[-1]
+    assert replies[0]["token_ids"] == encode_prompt(load_tokenizer(str(tiny_model_dir)), text)
+
+
+def test_short_entries_start_while_the_thread_is_busy_with_long_ones(cluster):
+    """Long prompts queue for the thread; a short one behind them starts at once, not after them."""
+    ch = Channel(cluster, "long-queue")
+    for i in range(4):
+        xadd(cluster, protocol.encode(entry(f"long{i}", ch.name, prompt=LONG + str(i))))
+    xadd(cluster, protocol.encode(entry("short", ch.name, prompt="hi")))
+    order = []
+    while len(order) < 5:
+        for item in _next_items(ch, timeout=60):
+            if item["type"] in ("done", "error"):
+                order.append(item["request_id"])
+    # the thread takes two long prompts at a time (AHEAD): the short one ends before the third
+    assert order.index("short") < 3, order
