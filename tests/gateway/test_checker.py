@@ -5,6 +5,7 @@ only the checks it held, and the next one starts it again; a check's memory is b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -38,6 +39,17 @@ def _busy_children(checker: Checker) -> list[psutil.Process]:
     return [c for c in children if c.is_running() and c.cpu_percent() > 20]
 
 
+@contextlib.asynccontextmanager
+async def _running(timeout_s: float, memory_mb: int = 1024):
+    """A checker with one slot, started (its import is not timed), stopped after."""
+    checker = Checker(timeout_s, 1, memory_mb)
+    try:
+        await checker.check([Check("regex", "[a-z]", "warm")], "key")
+        yield checker
+    finally:
+        await checker.stop()
+
+
 async def _refused(checker: Checker, checks: list[Check], tenant: str = "key") -> InvalidRequest:
     with pytest.raises(InvalidRequest) as info:
         await checker.check(checks, tenant)
@@ -45,23 +57,17 @@ async def _refused(checker: Checker, checks: list[Check], tenant: str = "key") -
 
 
 async def test_a_check_past_its_time_bound_is_a_400_and_its_child_is_killed():
-    checker = Checker(0.5, 1, 1024)
-    try:
-        await checker.check([_small("warm")], "key")  # started: the import is not timed
+    async with _running(0.5) as checker:
         err = await _refused(checker, [_small("before"), _slow("a")])
         assert isinstance(err, InvalidStructuredOutput)
         assert err.param == "response_format" and "within 0.5 s" in err.message
         assert not await asyncio.to_thread(_busy_children, checker)
         await checker.check([_small("after")], "key")  # the checker goes on
-    finally:
-        await checker.stop()
 
 
 async def test_a_costly_check_leaves_the_event_loop_free():
     """Before the checker, the meta-check of a body of tools ran on the loop (10 s for 1 MiB)."""
-    checker = Checker(30, 1, 1024)
-    try:
-        await checker.check([_small("warm")], "key")
+    async with _running(30) as checker:
         slow = asyncio.create_task(checker.check([_slow("b", 60)], "key"))
         gaps, last = [], time.perf_counter()
         while not slow.done():
@@ -71,35 +77,28 @@ async def test_a_costly_check_leaves_the_event_loop_free():
             last = now
         await slow
         assert sum(gaps) > 1.0 and max(gaps) < 0.25, (sum(gaps), max(gaps))
-    finally:
-        await checker.stop()
 
 
 async def test_keys_take_turns_so_one_keys_costly_checks_do_not_hold_anothers():
-    checker = Checker(0.8, 1, 1024)
     done: list[str] = []
 
-    async def ask(check: Check, tenant: str, label: str) -> None:
+    async def ask(checker: Checker, check: Check, tenant: str, label: str) -> None:
         try:
             await checker.check([check], tenant)
         except InvalidRequest:
             pass
         done.append(label)
-    try:
-        await checker.check([_small("warm")], "key")
-        flood = [asyncio.create_task(ask(_slow(f"f{i}_"), "flood", f"flood{i}")) for i in range(4)]
+    async with _running(0.8) as checker:
+        flood = [asyncio.create_task(ask(checker, _slow(f"f{i}_"), "flood", f"flood{i}")) for i in range(4)]
         await asyncio.sleep(0.2)
-        await ask(_small("light"), "light", "light")
+        await ask(checker, _small("light"), "light", "light")
         await asyncio.gather(*flood)
         # one slot: the flooding key's first check ran, then the light key's turn came
         assert done.index("light") <= 1, done
-    finally:
-        await checker.stop()
 
 
 async def test_a_checker_that_dies_fails_only_the_checks_it_held_and_starts_again():
-    checker = Checker(30, 1, 1024)
-    try:
+    async with _running(30) as checker:
         await checker.check([_small("kept")], "key")
         held = asyncio.create_task(checker.check([_slow("c", 120)], "key"))
         await asyncio.sleep(0.3)
@@ -109,8 +108,6 @@ async def test_a_checker_that_dies_fails_only_the_checks_it_held_and_starts_agai
         await checker.check([_small("kept")], "key")  # kept from before: answered without it
         await checker.check([_small("new")], "key")  # a new one starts the checker again
         assert checker._process is not None and checker._process.returncode is None
-    finally:
-        await checker.stop()
 
 
 async def test_a_check_needing_more_memory_than_its_bound_is_a_400_naming_it():
@@ -118,10 +115,7 @@ async def test_a_check_needing_more_memory_than_its_bound_is_a_400_naming_it():
     props = {f"k{i}": {"type": "integer", "minimum": -(10**17) + i * 7919, "maximum": 10**17 - i}
              for i in range(300)}
     ranges = Check("json", json.dumps({"type": "object", "properties": props}), "guided_json")
-    checker = Checker(30, 1, 8)
-    try:
+    async with _running(30, memory_mb=8) as checker:
         err = await _refused(checker, [ranges])
         assert err.param == "guided_json" and "more than 8 MB" in err.message, err.message
         await checker.check([Check("regex", "[0-9]+", "guided_regex")], "key")  # small enough
-    finally:
-        await checker.stop()
