@@ -241,6 +241,17 @@ def stored_responses(key_id: str) -> str:
     return f"{PREFIX}:resps:{key_tag(key_id)}"
 
 
+def stored_response_expiries(key_id: str) -> str:
+    """Sorted set of the key's counted stored responses by expiry: the expired ones are found
+    without reading the whole quota hash."""
+    return f"{PREFIX}:respx:{key_tag(key_id)}"
+
+
+def stored_response_bytes(key_id: str) -> str:
+    """The bytes of the key's counted stored responses, kept as each is stored, deleted or expires."""
+    return f"{PREFIX}:respb:{key_tag(key_id)}"
+
+
 def celery_queue(queue: str) -> str:
     """The Redis list that holds the waiting task messages of one Celery queue."""
     return f"{CELERY_PREFIX}{queue}"
