@@ -2,7 +2,8 @@
 never left pending. It reads top to bottom, one function per hop: decode the entry → settle one
 that needs no run (cancelled before it started; finished by a worker that died after its last
 reply) → refuse it (the poison cap, an unresumable log, a passed deadline, an injected fault) or add
-it to the engine. A request that fails, fails alone: nothing the entry carries may raise out of
+it to the engine (an entry over INLINE_BYTES first has its prompt made off the loop: `admit`
+returns it `Waiting`, the prompt thread makes it, `resume` adds it). A request that fails, fails alone: nothing the entry carries may raise out of
 here (an undecodable body, a schema version this worker does not read, an out-of-range number, a
 template that raises). A Redis error may: the entry then waits in the consumer's backlog.
 """
