@@ -31,6 +31,7 @@ RESYNC = object()  # put in every open queue after a resubscribe: replies may ha
 CANCEL_MARK_TTL_S = 600
 FOLLOW_POLL_S = 0.05  # how often a follower reads the reply log when it cannot hear its worker
 FOLLOW_WAKE_S = 0.5  # ... and when it can (a message it missed is read this much later at most)
+LOG_PAGE = 256  # reply-log lines a resumed stream reads at a time
 # Backpressure: enqueue only while the stream (waiting + in-flight entries) is below its depth.
 # An interactive entry also (re)sets its model's interactive mark (KEYS[2], ARGV[4] ms; 0: none),
 # and a first attempt passes its version's circuit breaker (KEYS[3], when ARGV[5] is 1), all in
@@ -588,9 +589,15 @@ class LogFollower(Handle):
         super().close(reason)
 
     async def _tail(self) -> list:
-        """The log's new replies after last_seq, in order; a gap (a truncated log) raises."""
+        """The log's new replies after last_seq, in order, at most LOG_PAGE of them (the next read
+        comes at once, after the event loop's turn: replaying a finished stream of 16 choices of
+        2,000 tokens in one read held the loop, every other stream of this gateway with it, for
+        ~0.3 s); a gap (a truncated log) raises."""
+        if self._read:
+            await asyncio.sleep(0)
         try:
-            raws = await self.dispatcher.redis.lrange(names.checkpoint_key(self.request_id), self._read, -1)
+            raws = await self.dispatcher.redis.lrange(names.checkpoint_key(self.request_id), self._read,
+                                                      self._read + LOG_PAGE - 1)
         except Exception as exc:  # Redis away: the deadline bounds the wait
             log.warning("reply log unavailable for %s: %s", self.request_id, type(exc).__name__)
             await asyncio.sleep(FOLLOW_POLL_S * 10)

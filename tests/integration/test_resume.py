@@ -312,3 +312,28 @@ def test_a_canary_failing_before_its_first_token_is_retried_on_stable_and_charge
         assert 'kvgate_gateway_retries_total{code="engine_error",model="demo",version="v2"} 7.0' in page
     finally:
         cluster.close()
+
+
+def test_a_finished_stream_longer_than_a_page_of_its_log_replays_whole_and_in_order(two_gateways):
+    """A resumed stream reads its reply log LOG_PAGE lines at a time (so a long replay does not hold
+    the event loop): across the pages, the replay is the stream as it was first sent."""
+    from gateway.dispatch import LOG_PAGE
+
+    cluster, (_, url1), url2 = two_gateways
+    key = _create_key(url2, "replayer")
+    body = {**_body(1, 150), "n": 4}
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            whole, again = Seen(), Seen()
+            await read_sse(client, "POST", url1 + "/v1/completions", key, whole, body)
+            rid = whole.last_id.rpartition(":")[0]
+            lines = cluster.client.llen(names.checkpoint_key(rid))
+            await read_sse(client, "GET", f"{url2}/v1/streams/{rid}", key, again, last_id=f"{rid}:0")
+            return whole, again, lines
+
+    whole, again, lines = asyncio.run(scenario())
+    assert lines > 2 * LOG_PAGE, lines
+    assert whole.done and again.done and again.error is None
+    assert again.events == whole.events
+    _ids_in_order(again)
