@@ -33,7 +33,7 @@ from gateway.validation import (check_context, check_model_allowed, check_output
                                 check_peer_features, check_token_ids)
 from shared import logs, names, protocol, telemetry, tool_parsers
 from shared.batches import BATCH_PRIORITY
-from shared.errors import InvalidRequest, KvgateError, NotFound
+from shared.errors import InvalidRequest, KvgateError, NotFound, RateLimited
 
 log = logging.getLogger("kvgate.gateway")
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
@@ -312,8 +312,11 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
     record = await state.streams.find(stream)
     follower = LogFollower(state.dispatcher, record.get("follow", request_id) if record else request_id,
                            float(record["deadline"]) if record else 0, record and record.get("channel"))
-    got = Attach.GONE if record is None or record.get("settled") == ABANDONED else \
-        await state.streams.attach(stream)
+    if record is None or record.get("settled") == ABANDONED:
+        got = Attach.GONE
+    else:  # counted before it takes the stream over: a refused resume leaves the lease as it was
+        await _within_resumes(state, stream)
+        got = await state.streams.attach(stream)
     if got == Attach.SETTLED and not await state.redis.exists(names.checkpoint_key(request_id)):
         got = Attach.GONE
     if got == Attach.GONE:
@@ -340,6 +343,19 @@ async def _resume(state: GatewayState, lease: Lease, request_id: str, after: int
     return StreamingResponse(_sse(answer, answer.replies, lease, spec["include_usage"], after),
                              media_type="text/event-stream", headers={**SSE_HEADERS, **headers},
                              background=BackgroundTask(follower.aclose, "client_disconnected"))
+
+
+async def _within_resumes(state: GatewayState, stream: StreamLease) -> None:
+    """429 past KVGATE_MAX_RESUMES_PER_MINUTE resumes of one stream: a replay costs the gateway what
+    the stream first did, and resumes count against no other limit (a client must get its stream
+    back), so one request may not buy an unbounded number of them."""
+    count, left_s = await state.streams.resumed(stream)
+    limit = state.settings.max_resumes_per_minute
+    if count > limit:
+        raise RateLimited(f"Stream '{stream.request_id[:100]}' was resumed {limit} times in the last "
+                          f"minute, the most KVGATE_MAX_RESUMES_PER_MINUTE allows; retry after "
+                          f"{left_s} s", param="Last-Event-ID", code="too_many_resumes",
+                          retry_after=left_s)
 
 
 @telemetry.traced("limits.tokens")

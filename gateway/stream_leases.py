@@ -39,6 +39,7 @@ HOLD_S = 5.0  # a hold outlives its last renewal by this (plus the grace): a dea
 SKEW_S = 1.0  # clock disagreement between gateways the sweeper allows before it claims
 SETTLED_TTL_S = 120  # a settled lease still answers a late resume (the reply log keeps 60 s)
 SWEEP_BATCH = 100
+RESUME_WINDOW_S = 60  # resumes of one stream are counted per this window (KVGATE_MAX_RESUMES_PER_MINUTE)
 ABANDONED = "abandoned"  # `settled` of a lease whose client never came back: its request was cancelled
 
 
@@ -170,6 +171,17 @@ class StreamLeases:
     async def find(self, lease: StreamLease) -> dict[str, str] | None:
         raw = await self.redis.hgetall(lease.name)
         return _decoded(raw) if raw else None
+
+    async def resumed(self, lease: StreamLease) -> tuple[int, int]:
+        """This stream's resumes in the minute since the first of them, this one counted, and the
+        seconds left of that minute (one round trip)."""
+        name = names.stream_resumes(lease.key_id, lease.request_id)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(name, 0, ex=RESUME_WINDOW_S, nx=True)
+            pipe.incr(name)
+            pipe.ttl(name)
+            _, count, left = await pipe.execute()
+        return int(count), max(int(left), 1)
 
     async def attach(self, lease: StreamLease) -> Attach:
         """A resumed client is served here now: this gateway holds (and will settle) its lease."""

@@ -180,6 +180,12 @@ def checkpoint_key(request_id: str) -> str:
 
 
 # -- streams that survive their gateway (gateway/stream_leases.py) ----------------------------
+def stream_resumes(key_id: str, request_id: str) -> str:
+    """Counter of one stream's resumes in the minute since the first of them (TTL 60 s), under its
+    key's tag like its lease."""
+    return f"{PREFIX}:resumes:{key_tag(key_id)}:{request_id}"
+
+
 def stream_lease(key_id: str, request_id: str) -> str:
     """Hash of what one streamed request holds (slot, token reservation, usage to record) and who
     serves its client until when; settled once, by whichever gateway claims it first (TTL). Named

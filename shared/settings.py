@@ -138,6 +138,8 @@ class GatewaySettings(FilesSettings):
                                     "its worker's admission verdict before the 200 and keep-alives "
                                     "go out (an error known by then is an HTTP error, one after it "
                                     "an SSE error event; 0: at once)")
+    max_resumes_per_minute: int = Field(10, ge=1, le=10_000, description="Resumes of one stream "
+                                        "(Last-Event-ID) a minute; beyond, 429 with Retry-After")
     grammar_check_timeout_s: float = Field(2.0, gt=0, description="Longest the gateway spends "
                                            "compiling a request's JSON schema, regex or grammar "
                                            "to check it (400 beyond: simplify it)")

@@ -17,6 +17,7 @@ import orjson
 import pytest
 
 from shared import names
+from shared.settings import GatewaySettings
 from shared.usage import utc_day
 from tests.integration.test_faults import Cluster
 
@@ -31,6 +32,7 @@ class Seen:
     done: bool = False
     status: int | None = None
     error: dict | None = None
+    retry_after: str | None = None  # of a refusal
     connections: int = 0
 
     @property
@@ -60,6 +62,7 @@ async def read_sse(client: httpx.AsyncClient, method: str, url: str, key: str, s
             seen.status = resp.status_code
             if resp.status_code != 200:
                 seen.error = orjson.loads(await resp.aread())["error"]
+                seen.retry_after = resp.headers.get("retry-after")
                 return
             event_id = None
             async for line in resp.aiter_lines():
@@ -337,3 +340,33 @@ def test_a_finished_stream_longer_than_a_page_of_its_log_replays_whole_and_in_or
     assert whole.done and again.done and again.error is None
     assert again.events == whole.events
     _ids_in_order(again)
+
+
+def test_a_stream_resumed_past_its_limit_a_minute_is_a_429_and_other_streams_are_not(two_gateways):
+    cluster, (_, url1), url2 = two_gateways
+    key = _create_key(url2, "resumer")
+    limit = GatewaySettings.model_fields["max_resumes_per_minute"].default
+
+    async def scenario():
+        async with httpx.AsyncClient(timeout=120) as client:
+            first, second = Seen(), Seen()
+            await read_sse(client, "POST", url1 + "/v1/completions", key, first, _body(1, 4))
+            await read_sse(client, "POST", url1 + "/v1/completions", key, second, _body(2, 4))
+            replays = []
+            for i in range(limit + 1):
+                rid = first.last_id.rpartition(":")[0]
+                replays.append(Seen())
+                await read_sse(client, "GET", f"{(url1, url2)[i % 2]}/v1/streams/{rid}", key, replays[-1],
+                               last_id=f"{rid}:0")
+            other = Seen()
+            rid2 = second.last_id.rpartition(":")[0]
+            await read_sse(client, "GET", f"{url2}/v1/streams/{rid2}", key, other, last_id=f"{rid2}:0")
+            return first, replays, other, second
+
+    first, replays, other, second = asyncio.run(scenario())
+    assert all(r.done and r.events == first.events for r in replays[:-1])  # the limit, across gateways
+    refused = replays[-1]
+    assert refused.status == 429 and refused.error["code"] == "too_many_resumes", refused.error
+    assert str(limit) in refused.error["message"] and refused.error["param"] == "Last-Event-ID"
+    assert 1 <= int(refused.retry_after) <= 60
+    assert other.done and other.events == second.events  # counted per stream
