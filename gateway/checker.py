@@ -46,11 +46,11 @@ class Checker:
 
     async def check(self, checks: list[Check], tenant: str) -> None:
         """400 naming the first check that fails (or runs past the time bound)."""
-        todo = []
+        todo: list[tuple[Check, bytes]] = []  # with its digest, computed once (a text is up to 1 MiB)
         for check in checks:
             digest = _digest(check)
             if digest not in self._results:
-                todo.append(check)
+                todo.append((check, digest))
             else:
                 self._results.move_to_end(digest)
                 if (found := self._results[digest]) is not None:
@@ -84,11 +84,11 @@ class Checker:
             if not self._waiting[tenant]:
                 del self._waiting[tenant], self._turns[tenant]
 
-    async def _run(self, todo: list[Check]) -> None:
+    async def _run(self, todo: list[tuple[Check, bytes]]) -> None:
         process = await self._started()
         request_id = next(self._ids)
         answer = self._pending[request_id] = asyncio.get_running_loop().create_future()
-        items = [[c.kind, c.text] for c in todo]
+        items = [[c.kind, c.text] for c, _ in todo]
         try:
             process.stdin.write(orjson.dumps([request_id, self.timeout_s, self.memory_mb, items]) + b"\n")
             await process.stdin.drain()
@@ -105,22 +105,22 @@ class Checker:
             self._pending.pop(request_id, None)
         self._conclude(todo, how, results)
 
-    def _conclude(self, todo: list[Check], how: str, results) -> None:
+    def _conclude(self, todo: list[tuple[Check, bytes]], how: str, results) -> None:
         if how != "done":  # killed at its time bound, or died: on the check it had not finished
-            for check in todo[:results]:
-                self._keep(check, None)
-            running = todo[min(results, len(todo) - 1)]
+            for _, digest in todo[:results]:
+                self._keep(digest, None)
+            running = todo[min(results, len(todo) - 1)][0]
             if how == "timeout":
                 raise running.late(self.timeout_s)
             raise InvalidStructuredOutput(f"{running.param} could not be checked (the checker failed "
                                           f"on it); simplify it", param=running.param)
-        for check, found in zip(todo, results):
-            self._keep(check, None if found is None else tuple(found))
+        for (_, digest), found in zip(todo, results):
+            self._keep(digest, None if found is None else tuple(found))
         if results and results[-1] is not None:
-            raise todo[len(results) - 1].refusal(*results[-1])
+            raise todo[len(results) - 1][0].refusal(*results[-1])
 
-    def _keep(self, check: Check, found: tuple[str, str] | None) -> None:
-        self._results[_digest(check)] = found
+    def _keep(self, digest: bytes, found: tuple[str, str] | None) -> None:
+        self._results[digest] = found
         while len(self._results) > CACHED:
             self._results.popitem(last=False)
 
