@@ -41,7 +41,10 @@ def test_running_requests_get_tokens_while_a_long_prompt_is_made(cluster):
                                         params={"max_tokens": 1500})))
     while not any(i["request_id"] == "runner" and i["type"] == "delta" for i in _next_items(ch)):
         pass
-    xadd(cluster, protocol.encode(entry("long", ch.name, prompt=LONG)))
+    # ~5.4M characters, XADDed as no gateway would pass it (its body limit is 1 MiB): ~2.5 s of
+    # tokenizing, so the steps the loop takes meanwhile stand well clear of the few it took before
+    # the worker picked the entry up, even on a loaded machine
+    xadd(cluster, protocol.encode(entry("long", ch.name, prompt=LONG * 6)))
     runner_tokens, runner_done, answer = 0, False, None
     while answer is None:
         for item in _next_items(ch):
@@ -52,7 +55,7 @@ def test_running_requests_get_tokens_while_a_long_prompt_is_made(cluster):
             else:
                 runner_done = True
     assert answer["type"] == "error" and answer["code"] == "context_length_exceeded", answer
-    # tokenizing it took ~0.45 s; on the loop, no step would have run in that time
+    # on the loop, no step would have run while it was tokenized (the tree before: 3 tokens)
     assert runner_tokens >= 20 or runner_done, runner_tokens
 
 
