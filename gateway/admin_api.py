@@ -12,6 +12,7 @@ from gateway.auth import require_admin
 from gateway.deps import KeyStoreDep, UsageDep
 from gateway.durations import parse_duration
 from gateway.keys import BOOTSTRAP_IDS, KeyRecord
+from gateway.strict_json import ParsedJSONRoute
 from shared.errors import InvalidRequest
 
 KeyRef = Annotated[str, Path(max_length=64, description="A key's name or id")]
@@ -22,7 +23,7 @@ ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in 
     (401, "No key, or an unknown, revoked or expired one"), (403, "Not an admin key"),
     (404, "No such key"), (409, "The name is taken"))}
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"],
-                   responses=ERRORS)
+                   responses=ERRORS, route_class=ParsedJSONRoute)
 
 
 @router.post("/keys", status_code=201, response_model=KeySecret)

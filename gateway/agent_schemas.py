@@ -44,7 +44,7 @@ SchemaText = Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS), AfterV
 Regex = Annotated[str, StringConstraints(min_length=1, max_length=b.REGEX_CHARS), AfterValidator(encodable)]
 Ebnf = Annotated[str, StringConstraints(min_length=1, max_length=b.GRAMMAR_CHARS), AfterValidator(encodable)]
 Choice = Annotated[str, StringConstraints(min_length=1, max_length=b.CHOICE_CHARS), AfterValidator(encodable)]
-Choices = Annotated[list[Choice], Field(min_length=1, max_length=b.CHOICES)]
+Choices = Annotated[list[Choice], Field(min_length=1, max_length=b.CHOICES, fail_fast=True)]
 FunctionName = Annotated[str, StringConstraints(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
 Description = Annotated[str, StringConstraints(max_length=b.DESCRIPTION_CHARS), AfterValidator(encodable)]
 CallId = Annotated[str, StringConstraints(min_length=1, max_length=b.TOOL_CALL_ID_CHARS)]

@@ -14,6 +14,7 @@ from gateway.admin_schemas import ErrorBody
 from gateway.deps import BatchesDep, StateDep
 from gateway.files_api import Account, Metered, quota_limits
 from gateway.list_page import ListPage
+from gateway.strict_json import ParsedJSONRoute
 from shared.batches import BatchObject, Endpoint
 from shared.errors import Conflict, InvalidRequest
 
@@ -22,7 +23,8 @@ ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in 
     (403, "A batch line's token"), (404, "No such batch or input file for this key"),
     (409, "The batch can no longer be cancelled"),
     (429, "Requests per minute, or the quota of batches in progress, exceeded"))}
-router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=ERRORS)
+router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=ERRORS,
+                   route_class=ParsedJSONRoute)
 
 
 class BatchCreate(BaseModel):

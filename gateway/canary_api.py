@@ -13,13 +13,14 @@ from gateway.canary_schemas import (CanaryRollback, CanarySet, CanaryStatus, Rou
                                     VersionObserved)
 from gateway.deps import RouterDep
 from gateway.routing import Router
+from gateway.strict_json import ParsedJSONRoute
 from shared import canary, canary_stats, names
 from shared.canary import Route, RouteStore
 from shared.errors import Conflict, InvalidRequest, NotFound
 
 Alias = Annotated[str, Path(max_length=256, description="The served name clients ask for")]
 router = APIRouter(prefix="/admin/canary", dependencies=[Depends(require_admin)], tags=["admin"],
-                   responses=ERRORS)
+                   responses=ERRORS, route_class=ParsedJSONRoute)
 
 
 async def _store(routing: RouterDep) -> RouteStore:

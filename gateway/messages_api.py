@@ -19,6 +19,7 @@ from gateway.messages_schemas import CountTokensRequest, MessagesRequest
 from gateway.openai_api import Answer, Call, open_answer, resume_request
 from gateway.routing import VERSION_HEADER_DOC
 from gateway.state import GatewayState
+from gateway.strict_json import ParsedJSONRoute
 from shared import protocol
 from shared.errors import KvgateError
 
@@ -29,7 +30,7 @@ async def _anthropic_version(anthropic_version: str | None = Header(
 
 
 router = APIRouter(prefix="/v1", dependencies=[Depends(admit), Depends(_anthropic_version)],
-                   tags=["anthropic"])
+                   tags=["anthropic"], route_class=ParsedJSONRoute)
 
 
 @router.post("/messages", openapi_extra=VERSION_HEADER_DOC)

@@ -48,7 +48,7 @@ class ToolResultBlock(BaseModel):
 
     type: Literal["tool_result"]
     tool_use_id: CallId
-    content: Union[str, list[TextBlock]] = ""
+    content: Union[str, Annotated[list[TextBlock], Field(fail_fast=True)]] = ""
     is_error: bool = False
 
     def text(self) -> str:
@@ -75,7 +75,7 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("text")], Annotated[ToolUseBloc
 
 class Message(BaseModel):
     role: Literal["user", "assistant"]
-    content: Union[str, Annotated[list[Block], Field(max_length=b.TOOL_CALLS * 2)]]
+    content: Union[str, Annotated[list[Block], Field(max_length=b.TOOL_CALLS * 2, fail_fast=True)]]
 
 
 class Tool(BaseModel):
@@ -113,16 +113,16 @@ class OutputConfig(BaseModel):
     format: OutputFormat | None = None
 
 
-System = Union[str, Annotated[list[TextBlock], Field(max_length=b.MESSAGES)]]
+System = Union[str, Annotated[list[TextBlock], Field(max_length=b.MESSAGES, fail_fast=True)]]
 
 
 class CountTokensRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
-    messages: list[Message] = Field(min_length=1, max_length=b.MESSAGES)
+    messages: list[Message] = Field(min_length=1, max_length=b.MESSAGES, fail_fast=True)
     system: System | None = None
-    tools: list[Tool] | None = Field(None, max_length=b.TOOLS)
+    tools: list[Tool] | None = Field(None, max_length=b.TOOLS, fail_fast=True)
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
@@ -138,7 +138,7 @@ class MessagesRequest(CountTokensRequest):
     model_config = ConfigDict(extra="ignore")  # metadata, service_tier, container: labels
 
     max_tokens: int = Field(ge=1, le=b.MAX_TOKENS)  # required, as Anthropic requires it
-    stop_sequences: list[StopString] | None = Field(None, max_length=b.STOP_SEQUENCES)
+    stop_sequences: list[StopString] | None = Field(None, max_length=b.STOP_SEQUENCES, fail_fast=True)
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=b.TOP_K)

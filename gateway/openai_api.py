@@ -28,6 +28,7 @@ from gateway.routing import VERSION_HEADER, VERSION_HEADER_DOC, observed
 from gateway.schemas import ChatCompletionRequest, CompletionRequest
 from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, Attach, StreamLease
+from gateway.strict_json import ParsedJSONRoute
 from gateway.unsupported import check_supported
 from gateway.validation import (check_context, check_model_allowed, check_output_limits,
                                 check_peer_features, check_token_ids)
@@ -36,7 +37,8 @@ from shared.batches import BATCH_PRIORITY
 from shared.errors import InvalidRequest, KvgateError, NotFound, RateLimited
 
 log = logging.getLogger("kvgate.gateway")
-router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"])
+router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["openai"],
+                   route_class=ParsedJSONRoute)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 

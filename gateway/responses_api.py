@@ -18,10 +18,12 @@ from gateway.responses_schemas import ResponsesRequest
 from gateway.responses_store import ResponseStore
 from gateway.routing import VERSION_HEADER_DOC
 from gateway.state import GatewayState
+from gateway.strict_json import ParsedJSONRoute
 from shared.errors import NotFound, QuotaExceeded
 
 log = logging.getLogger("kvgate.gateway")
-router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["responses"])
+router = APIRouter(prefix="/v1", dependencies=[Depends(admit)], tags=["responses"],
+                   route_class=ParsedJSONRoute)
 
 
 def _store(state: StateDep) -> ResponseStore:

@@ -8,18 +8,21 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from typing_extensions import TypedDict
 
 from gateway import bounds as b
+from gateway.bounded import mapping
 from gateway.agent_schemas import CallId, Description, FunctionName, Schema
 from shared.errors import InvalidRequest
 
 Text = Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS * 32)]  # the body limit binds first
 
 
-class InputText(BaseModel):
-    """`input_text` (the user's), `output_text` (an earlier answer handed back), or plain `text`."""
-
-    model_config = ConfigDict(extra="ignore")  # annotations, logprobs of a handed-back answer
+class InputText(TypedDict):
+    """`input_text` (the user's), `output_text` (an earlier answer handed back), or plain `text`; a
+    TypedDict, as chat's TextPart is (gateway/schemas.py). Other keys (annotations, logprobs of a
+    handed-back answer) are dropped."""
+    __pydantic_config__ = ConfigDict(extra="ignore")
 
     type: Literal["input_text", "output_text", "text"]
     text: str
@@ -30,10 +33,10 @@ class MessageItem(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[InputText]]
+    content: Union[str, Annotated[list[InputText], Field(fail_fast=True)]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "".join(p["text"] for p in self.content)
 
 
 class FunctionCallItem(BaseModel):
@@ -50,10 +53,10 @@ class FunctionCallOutputItem(BaseModel):
 
     type: Literal["function_call_output"]
     call_id: CallId
-    output: Union[str, list[InputText]]
+    output: Union[str, Annotated[list[InputText], Field(fail_fast=True)]]
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return self.output if isinstance(self.output, str) else "".join(p["text"] for p in self.output)
 
 
 class ReasoningItem(BaseModel):
@@ -112,10 +115,10 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # labels clients send; those that change output: below
 
     model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
-    input: Union[Text, Annotated[list[InputItem], Field(max_length=b.MESSAGES)]] = Field(
+    input: Union[Text, Annotated[list[InputItem], Field(max_length=b.MESSAGES, fail_fast=True)]] = Field(
         examples=["Hello"])
     instructions: Text | None = None
-    tools: list[FunctionTool] | None = Field(None, max_length=b.TOOLS)
+    tools: list[FunctionTool] | None = Field(None, max_length=b.TOOLS, fail_fast=True)
     tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
@@ -129,7 +132,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True  # as OpenAI documents
     previous_response_id: Annotated[str, StringConstraints(max_length=128)] | None = None
     background: bool | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    metadata: mapping(str, str, 16) | None = None
     user: str | None = Field(None, max_length=b.USER_CHARS)
 
     def refuse_unserved(self) -> None:

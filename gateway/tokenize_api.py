@@ -21,13 +21,14 @@ from gateway.deps import StateDep
 from gateway.registry import Facts
 from gateway.routing import VERSION_HEADER, Outcome
 from gateway.state import GatewayState
+from gateway.strict_json import ParsedJSONRoute
 from gateway.tokenize_schemas import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                       TokenizeResponse)
 from gateway.validation import check_model_allowed, check_peer_features
 from shared import names, protocol, telemetry
 from shared.errors import ContextLengthExceeded, EngineFailure, InvalidRequest, KvgateError
 
-router = APIRouter(dependencies=[Depends(admit)], tags=["vllm"])
+router = APIRouter(dependencies=[Depends(admit)], tags=["vllm"], route_class=ParsedJSONRoute)
 NOTHING_CHARGED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
 
 

@@ -20,14 +20,14 @@ class TokenizeRequest(BaseModel):
 
     model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
     prompt: str | None = Field(None, examples=["Hello"])
-    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=b.MESSAGES)
+    messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=b.MESSAGES, fail_fast=True)
     add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens "
                                             "(e.g. BOS); default true for a prompt, false for a chat "
                                             "(its template places them)")
     return_token_strs: bool = Field(False, description="Also return each token as the tokenizer spells it")
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[Tool] | None = Field(None, max_length=b.TOOLS)
+    tools: list[Tool] | None = Field(None, max_length=b.TOOLS, fail_fast=True)
     chat_template_kwargs: TemplateKwargs | None = None
 
     @model_validator(mode="after")
@@ -67,7 +67,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
-    tokens: list[TokenId] = Field(max_length=b.PROMPT_TOKEN_IDS, description="At most the model's "
+    tokens: list[TokenId] = Field(max_length=b.PROMPT_TOKEN_IDS, fail_fast=True, description="At most the model's "
                                   "context length, each inside its vocabulary (400 otherwise)")
 
 
