@@ -24,7 +24,7 @@ class KeyCreate(KeyLimits):
     role: Role = "user"
     expires_in: int | None = Field(None, ge=1, le=MAX_EXPIRES_IN,
                                    description="Seconds from now until the key expires")
-    metadata: Metadata = Field(default_factory=dict, max_length=MAX_METADATA)
+    metadata: Metadata = Field(default_factory=dict)
 
 
 class KeyUpdate(BaseModel):
@@ -37,7 +37,7 @@ class KeyUpdate(BaseModel):
     role: Role | None = None
     expires_in: int | None = Field(None, ge=1, le=MAX_EXPIRES_IN,
                                    description="Seconds from now; null: never expires")
-    models: list[ModelName] | None = Field(None, max_length=MAX_MODELS)
+    models: list[ModelName] | None = Field(None, max_length=MAX_MODELS, fail_fast=True)
     rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
     tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
     max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
@@ -47,7 +47,7 @@ class KeyUpdate(BaseModel):
     cache_scope: CacheScope | None = None
     canary_cohort: Cohort | None = None
     version_override: bool | None = None
-    metadata: Metadata | None = Field(None, max_length=MAX_METADATA)
+    metadata: Metadata | None = None
     # stored-data quotas; null: back to the gateway's default
     max_stored_bytes: int | None = Field(None, ge=0, le=1 << 50)
     max_files: int | None = Field(None, ge=0, le=100_000)

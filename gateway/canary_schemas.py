@@ -5,13 +5,14 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from gateway.bounded import bounded
+from gateway.bounded import bounded, mapping
 from gateway.keys import Cohort
 from shared.canary import MAX_COHORTS, MAX_INTERVAL_S, MAX_STEPS, Event, Route, Thresholds
 from shared.canary_stats import VersionStats
 
 Version = bounded(128)
 Reason = bounded(500, min_length=0)
+Cohorts = mapping(Cohort, Version, MAX_COHORTS)
 
 
 class CanarySet(BaseModel):
@@ -25,11 +26,10 @@ class CanarySet(BaseModel):
     weight: float | None = Field(None, ge=0, le=100, description="Percent of keys to the canary; "
                                  "default: the first step, else 0 (cohorts only)")
     steps: list[Annotated[float, Field(gt=0, le=100)]] = Field(
-        default_factory=list, max_length=MAX_STEPS, description="Ascending weights in (0, 100]")
+        default_factory=list, max_length=MAX_STEPS, fail_fast=True, description="Ascending weights in (0, 100]")
     interval_s: int | None = Field(None, ge=1, le=MAX_INTERVAL_S,
                                    description="Seconds between steps (needed with steps)")
-    cohorts: dict[Cohort, Version] = Field(default_factory=dict, max_length=MAX_COHORTS,
-                                           description="Cohort -> version pins")
+    cohorts: Cohorts = Field(default_factory=dict, description="Cohort -> version pins")
     thresholds: Thresholds = Field(default_factory=Thresholds)
 
     @field_validator("steps")

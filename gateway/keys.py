@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SecretStr, model_validator
 
-from gateway.bounded import bounded
+from gateway.bounded import bounded, mapping
 from shared.errors import PermissionDenied
 from shared.settings import MAX_TIMEOUT_S
 
@@ -29,13 +29,13 @@ MAX_METADATA = 16
 ModelName = bounded(256)
 Cohort = bounded(64)
 Owner = bounded(128)
-Metadata = dict[bounded(64), bounded(512, min_length=0)]  # OpenAI's metadata bounds
+Metadata = mapping(bounded(64), bounded(512, min_length=0), MAX_METADATA)  # OpenAI's metadata bounds
 
 
 class KeyLimits(BaseModel):
     """What a key may do; None means the gateway default (rpm, tpm) or no limit (the rest)."""
 
-    models: list[ModelName] = Field(default_factory=list, max_length=MAX_MODELS,
+    models: list[ModelName] = Field(default_factory=list, max_length=MAX_MODELS, fail_fast=True,
                                     description="Served names allowed; empty: all")
     rpm: int | None = Field(None, ge=1, le=MAX_LIMIT,
                             description="Requests per minute (default: the gateway's)")

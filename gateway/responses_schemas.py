@@ -16,6 +16,7 @@ from gateway.agent_schemas import CallId, Description, FunctionName, Schema
 from shared.errors import InvalidRequest
 
 Text = Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS * 32)]  # the body limit binds first
+Metadata = mapping(str, str, 16)
 
 
 class InputText(TypedDict):
@@ -132,7 +133,7 @@ class ResponsesRequest(BaseModel):
     store: bool = True  # as OpenAI documents
     previous_response_id: Annotated[str, StringConstraints(max_length=128)] | None = None
     background: bool | None = None
-    metadata: mapping(str, str, 16) | None = None
+    metadata: Metadata | None = None
     user: str | None = Field(None, max_length=b.USER_CHARS)
 
     def refuse_unserved(self) -> None:

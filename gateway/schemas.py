@@ -20,6 +20,7 @@ from shared.errors import InvalidRequest
 
 TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
 Bias = Annotated[float, Field(ge=-b.LOGIT_BIAS_VALUE, le=b.LOGIT_BIAS_VALUE)]
+LogitBias = mapping(TokenId, Bias, b.LOGIT_BIAS)  # its keys are "id" strings in JSON
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=b.STOP_CHARS)]
 
 
@@ -52,7 +53,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=b.STOP_TOKEN_IDS, fail_fast=True)
     include_stop_str_in_output: bool = False
-    logit_bias: mapping(TokenId, Bias, b.LOGIT_BIAS) | None = None  # keys: "id" in JSON
+    logit_bias: LogitBias | None = None
     structured_outputs: StructuredOutputsIn | None = None  # vLLM's spelling of a constraint
     response_format: ResponseFormat | None = None  # OpenAI's
     guided_json: Union[Schema, SchemaText, None] = None  # vLLM's older spellings

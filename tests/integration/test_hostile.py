@@ -117,6 +117,14 @@ V1_CASES = [
      _raw({**CHAT, "logprobs": True, "top_logprobs": 50}), 422, "top_logprobs"),
     ("user too long", "/v1/chat/completions", _raw({**CHAT, "user": "u" * 600}), 422, "user"),
     ("priority better than the key's", "/v1/completions", _raw({**TEXT, "priority": -5}), 403, "priority"),
+    # near the body limit, each refused at its first bad entry (a report each cost seconds)
+    ("200,000 negative token ids", "/v1/completions", _raw({**TEXT, "prompt": [-1] * 200_000}), 422,
+     "<any>"),
+    ("40,000 parts without text", "/v1/chat/completions", _raw(
+        {**CHAT, "messages": [{"role": "user", "content": [{"type": "text"}] * 40_000}]}), 422,
+     "messages.0.content.0.text"),
+    ("60,000 logit_bias entries", "/v1/chat/completions",
+     _raw({**CHAT, "logit_bias": {str(-i): 1 for i in range(1, 60_000)}}), 422, "logit_bias"),
 ] + [
     (f"{field} beyond 64 bits", "/v1/completions", _raw({**TEXT, field: "X"}, X=str(BIG)), 422, field)
     for field in ("max_tokens", "seed", "n", "top_k", "priority", "min_tokens", "logprobs")
