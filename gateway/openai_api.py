@@ -168,8 +168,8 @@ async def _prepared(state: GatewayState, lease: Lease, call: Call, version: str)
     outputs' readers and the entry to queue."""
     body = call.body
     facts = await state.registry.facts(body.model, version)
+    check_context(facts.max_model_len, body.limit(), call.prompt)  # by length: before the ids
     check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids, body.logit_bias)
-    check_context(facts.max_model_len, body.limit(), call.prompt)
     outputs = _outputs(call, facts.tool_call_parser)
     entry = _entry(state, lease, call, version)
     check_peer_features(entry, facts.schema)

@@ -28,6 +28,8 @@ def check_token_ids(vocab_size: int | None, prompt: dict, stop_token_ids: list[i
         return
     for param, ids in (("prompt", prompt.get("prompt_token_ids") or ()), ("stop_token_ids", stop_token_ids),
                        ("logit_bias", list(logit_bias or ()))):
+        if not ids or 0 <= min(ids) and max(ids) < vocab_size:  # in C: a prompt may be 2^20 ids
+            continue
         for position, token in enumerate(ids):
             if not 0 <= token < vocab_size:
                 raise InvalidRequest(
