@@ -18,6 +18,7 @@ from gateway.breaker import GATE, GATE_GRANT, Breaker, Refused, counts_against
 from gateway.errors import redis_unavailable
 from gateway.limits import ADMIT, AdmitCall, Verdict
 from gateway.queue_gate import QueueGate
+from gateway.reply_queue import ReplyQueue, Unread
 from gateway.timeouts import Timeouts
 from shared import names, protocol
 from shared.redis_client import is_cluster
@@ -74,8 +75,10 @@ class Dispatcher:
     def __init__(self, redis: aioredis.Redis, gateway_id: str, max_stream_depth: int = 1000,
                  interactive_mark_ms: int = 1000, max_entry_bytes: int = 1 << 20,
                  max_retries: int = 0, retarget: retry.Retarget | None = None,
-                 breaker: Breaker | None = None, queued_per_key: int = 0):
+                 breaker: Breaker | None = None, queued_per_key: int = 0,
+                 unread: Unread | None = None):
         self.redis = redis
+        self.unread = unread or Unread(per_request=16384, in_all=262144)  # replies clients left unread
         # a key's interactive requests on a stream, not yet admitted (gateway/queue_gate.py)
         self.queue_gate = QueueGate(queued_per_key, max_stream_depth)
         self.breaker = breaker  # told each attempt's failure, and a probe's first token
@@ -87,7 +90,7 @@ class Dispatcher:
         self._xadd_bounded = redis.register_script(_XADD_BOUNDED)
         self._admit_then_xadd = redis.register_script(_ADMIT_THEN_XADD)
         self.channel = names.reply_channel(gateway_id)
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.queues: dict[str, ReplyQueue] = {}
         # resumed streams: the other gateways' channels their workers publish to, and the
         # followers a message there wakes (LogFollower reads its log at once, not at the next poll)
         self.watched: dict[str, int] = {}
@@ -205,8 +208,20 @@ class Dispatcher:
             queue = self.queues.get(reply.request_id)
             if queue is not None:
                 queue.put_nowait(reply)
+                if self.unread.over(queue):
+                    self._overrun(reply.request_id, queue)
             elif self.wakers:
                 self._wake([reply.request_id])  # resumed here, dispatched here too
+
+    def _overrun(self, request_id: str, queue: ReplyQueue) -> None:
+        """A client has stopped reading (gateway/reply_queue.py): the request with the most unread
+        replies, this one or, past the gateway's bound, the worst of all, is ended and cancelled."""
+        if queue.qsize() <= self.unread.per_request:
+            request_id, queue = max(self.queues.items(), key=lambda item: item[1].qsize())
+        log.warning("request %s ended: its client left %d replies unread", request_id, queue.qsize())
+        del self.queues[request_id]
+        queue.overrun(self.unread.per_request, self.unread.in_all)
+        self.cancel_soon(request_id, "client_not_reading")
 
     @traced("dispatch")
     async def submit(self, stream: str, entry: protocol.RequestEntry, interactive: bool = True,
@@ -274,7 +289,7 @@ class Dispatcher:
                                   f"is {self.max_entry_bytes} bytes (KVGATE_MAX_ENTRY_BYTES)")
         gate = gate and self.breaker is not None and self.breaker.enabled
         token = secrets.token_hex(8) if gate else ""
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = ReplyQueue(self.unread)
         self.queues[entry.request_id] = queue
         mark_ms = self.interactive_mark_ms if interactive else 0
         keys = [stream, names.interactive_mark(entry.model), names.breaker_state(entry.model, entry.version)]
@@ -337,7 +352,9 @@ class Dispatcher:
             log.warning("could not publish cancel for %s: %s", request_id, exc)
 
     def release(self, request_id: str) -> None:
-        self.queues.pop(request_id, None)
+        queue = self.queues.pop(request_id, None)
+        if queue is not None:
+            queue.detach()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from gateway.limits import Limits
 from gateway.loop_lag import LoopLag
 from gateway.pool_trim import PoolTrim
 from gateway.registry import Registry
+from gateway.reply_queue import Unread
 from gateway.rescue import Rescuer
 from gateway.retry import Retarget
 from gateway.routing import Router
@@ -63,7 +64,8 @@ class GatewayState:
         dispatcher = Dispatcher(client, settings.gateway_id, settings.max_stream_depth,
                                 settings.interactive_mark_ms, settings.max_entry_bytes,
                                 settings.retries_before_first_token, Retarget(router, registry),
-                                breaker, settings.fair_queue_per_key)
+                                breaker, settings.fair_queue_per_key,
+                                Unread(settings.max_unread_replies, settings.max_unread_replies_total))
         keystore = KeyStore(client, settings.secret.get_secret_value(), settings.key_cache_s,
                             live=dispatcher.subscribed.is_set)
         dispatcher.listen_also(names.KEYS_CHANGED_CHANNEL, keystore.on_changed, keystore.forget)

@@ -81,6 +81,13 @@ class RequestTimeout(KvgateError):
     status, type, code = 504, "timeout_error", "timeout"
 
 
+class ClientNotReading(InvalidRequest):
+    """A streamed request whose client left more replies unread than the gateway keeps for it
+    (gateway/reply_queue.py): it ends, the worker told to stop, as the client reads on."""
+
+    code = "client_not_reading"
+
+
 class QuotaExceeded(KvgateError):
     """A stored-data quota of the key (files, bytes, batches in progress); retrying does not help
     until something is deleted or finishes."""

@@ -140,6 +140,13 @@ class GatewaySettings(FilesSettings):
                                     "an SSE error event; 0: at once)")
     max_resumes_per_minute: int = Field(10, ge=1, le=10_000, description="Resumes of one stream "
                                         "(Last-Event-ID) a minute; beyond, 429 with Retry-After")
+    max_unread_replies: int = Field(16384, ge=1, description="Replies (a choice's token or tokens "
+                                    "each) one streamed request may leave unread in the gateway "
+                                    "while its client does not read; beyond, the stream ends with "
+                                    "client_not_reading and its worker stops")
+    max_unread_replies_total: int = Field(262144, ge=1, description="The same for all of one "
+                                          "gateway process's requests together: beyond, the "
+                                          "request with the most unread ends")
     grammar_check_timeout_s: float = Field(2.0, gt=0, description="Longest the gateway spends "
                                            "compiling a request's JSON schema, regex or grammar "
                                            "to check it (400 beyond: simplify it)")

@@ -1,0 +1,71 @@
+"""A client that opens a large stream and stops reading, against the whole stack (`kvgate up`, paged
+engine): the gateway keeps at most KVGATE_MAX_UNREAD_REPLIES of its replies, then ends the stream
+with client_not_reading (the error event is there when the client reads on) and its worker stops
+generating it; a client that reads is served in full meanwhile."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import start_stack, stop_stack
+
+BOUND = 256
+BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs": 20,
+       "ignore_eos": True, "stream": True}
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir, tmp_path_factory):
+    s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("slow-client"), "paged",
+                    extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND)})
+    yield s
+    stop_stack(s.proc)
+
+
+def _unread_stream(stack, body: dict) -> socket.socket:
+    """A streamed request on a socket whose client does not read (a small receive window)."""
+    host, port = stack.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    raw = json.dumps(body).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer "
+                 + stack.key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return sock
+
+
+def _read_all(sock: socket.socket, timeout: float = 60) -> bytes:
+    sock.settimeout(timeout)
+    chunks = []
+    while not chunks or not chunks[-1].endswith(b"0\r\n\r\n"):  # the chunked body's end
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def test_a_stream_nobody_reads_ends_with_client_not_reading(stack):
+    sock = _unread_stream(stack, BIG)
+    log = stack.state / "gateway.log"
+    deadline = time.monotonic() + 120
+    while "replies unread" not in log.read_text():
+        assert time.monotonic() < deadline, "the gateway never ended the unread stream"
+        time.sleep(0.2)
+    # meanwhile another client, reading, is served in full
+    normal = httpx.post(f"{stack.url}/v1/completions", timeout=60,
+                        headers={"Authorization": f"Bearer {stack.key}"},
+                        json={"model": "demo", "prompt": "hi", "max_tokens": 8, "ignore_eos": True})
+    assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 8
+    body = _read_all(sock)
+    sock.close()
+    assert b'"code":"client_not_reading"' in body and b"KVGATE_MAX_UNREAD_REPLIES" in body
+    events = body.count(b"data: ")  # what the socket's buffers held, then the error and [DONE]
+    assert BOUND < events < 16 * 1500
+    worker_log = (stack.state / "worker.log").read_text()
+    assert "on cancel" in worker_log  # the worker stopped it: the rest was never generated
