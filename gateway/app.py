@@ -14,6 +14,7 @@ from gateway.anthropic_shape import AnthropicShape
 from gateway.batches_api import router as batches_router
 from gateway.files_api import UPLOAD_ENVELOPE_BYTES, router as files_router
 from gateway.canary_api import router as canary_router
+from gateway.client_writes import WriteDeadline
 from gateway.deps import StateDep
 from gateway.body_limit import BodyLimitMiddleware
 from gateway import metrics as prometheus
@@ -70,7 +71,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES})
     app.add_middleware(AnthropicShape)  # outside the body limit: its 413 is rewritten too
-    app.add_middleware(Observe)  # outermost: sees every refusal and every byte sent
+    app.add_middleware(Observe)  # sees every refusal and every byte sent
+    app.add_middleware(WriteDeadline, timeout_s=settings.client_write_timeout_s)  # outermost
     logs.setup(settings.log_level, "gateway")
     telemetry.setup_tracing("kvgate-gateway", settings.otlp_endpoint)
     return app

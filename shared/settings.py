@@ -144,6 +144,10 @@ class GatewaySettings(FilesSettings):
                                     "each) one streamed request may leave unread in the gateway "
                                     "while its client does not read; beyond, the stream ends with "
                                     "client_not_reading and its worker stops")
+    client_write_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a "
+                                          "client may take to read the next piece (64 KiB) of "
+                                          "its response; beyond, the response ends and a "
+                                          "stream's request is cancelled (gateway/client_writes.py)")
     max_unread_replies_total: int = Field(262144, ge=1, description="The same for all of one "
                                           "gateway process's requests together: beyond, the "
                                           "request with the most unread ends")

@@ -1,7 +1,8 @@
 """A client that opens a large stream and stops reading, against the whole stack (`kvgate up`, paged
 engine): the gateway keeps at most KVGATE_MAX_UNREAD_REPLIES of its replies, then ends the stream
 with client_not_reading (the error event is there when the client reads on) and its worker stops
-generating it; a client that reads is served in full meanwhile."""
+generating it; a client that reads is served in full meanwhile. One that reads nothing at all for
+KVGATE_CLIENT_WRITE_TIMEOUT_S is let go: the connection closed, the request cancelled."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ import pytest
 from tests.conftest import start_stack, stop_stack
 
 BOUND = 256
+WRITE_TIMEOUT_S = 5
 BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs": 20,
        "ignore_eos": True, "stream": True}
 
@@ -21,7 +23,8 @@ BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs":
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir, tmp_path_factory):
     s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("slow-client"), "paged",
-                    extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND)})
+                    extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND),
+                               "KVGATE_CLIENT_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S)})
     yield s
     stop_stack(s.proc)
 
@@ -39,33 +42,52 @@ def _unread_stream(stack, body: dict) -> socket.socket:
     return sock
 
 
-def _read_all(sock: socket.socket, timeout: float = 60) -> bytes:
+def _read_all(sock: socket.socket, timeout: float = 60) -> tuple[bytes, bool]:
+    """What the socket holds until the response's end, and whether it ended (else it closed)."""
     sock.settimeout(timeout)
     chunks = []
     while not chunks or not chunks[-1].endswith(b"0\r\n\r\n"):  # the chunked body's end
         chunk = sock.recv(1 << 16)
         if not chunk:
-            break
+            return b"".join(chunks), False
         chunks.append(chunk)
-    return b"".join(chunks)
+    return b"".join(chunks), True
+
+
+def _until_logged(path, text: str, timeout: float = 120, since: int = 0) -> None:
+    """Until the log says `text` after its first `since` characters."""
+    deadline = time.monotonic() + timeout
+    while text not in path.read_text()[since:]:
+        assert time.monotonic() < deadline, f"{path.name} never said {text!r}"
+        time.sleep(0.2)
 
 
 def test_a_stream_nobody_reads_ends_with_client_not_reading(stack):
     sock = _unread_stream(stack, BIG)
-    log = stack.state / "gateway.log"
-    deadline = time.monotonic() + 120
-    while "replies unread" not in log.read_text():
-        assert time.monotonic() < deadline, "the gateway never ended the unread stream"
-        time.sleep(0.2)
+    _until_logged(stack.state / "gateway.log", "replies unread")
     # meanwhile another client, reading, is served in full
     normal = httpx.post(f"{stack.url}/v1/completions", timeout=60,
                         headers={"Authorization": f"Bearer {stack.key}"},
                         json={"model": "demo", "prompt": "hi", "max_tokens": 8, "ignore_eos": True})
     assert normal.status_code == 200 and normal.json()["usage"]["completion_tokens"] == 8
-    body = _read_all(sock)
+    body, ended = _read_all(sock)
     sock.close()
-    assert b'"code":"client_not_reading"' in body and b"KVGATE_MAX_UNREAD_REPLIES" in body
+    assert ended and b'"code":"client_not_reading"' in body and b"KVGATE_MAX_UNREAD_REPLIES" in body
     events = body.count(b"data: ")  # what the socket's buffers held, then the error and [DONE]
     assert BOUND < events < 16 * 1500
     worker_log = (stack.state / "worker.log").read_text()
     assert "on cancel" in worker_log  # the worker stopped it: the rest was never generated
+
+
+def test_a_client_that_reads_nothing_of_a_large_answer_is_let_go(stack):
+    """A non-streamed answer (~12 MB: more than the sockets' buffers hold) goes out in pieces, each
+    within the write timeout: the gateway holds it no longer than that for a client that stalls."""
+    log = stack.state / "gateway.log"
+    since = len(log.read_text())
+    sock = _unread_stream(stack, {**BIG, "stream": False})
+    _until_logged(log, "let go", since=since)
+    body, ended = _read_all(sock)
+    sock.close()
+    assert not ended and body.startswith(b"HTTP/1.1 200")  # what the buffers held; then closed
+    length = int(body.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+    assert len(body.split(b"\r\n\r\n", 1)[1]) < length
