@@ -212,11 +212,19 @@ class BatchStore:
         return batch
 
     async def list(self, owner: str, after: str | None = None, limit: int = 20) -> tuple[list[Batch], bool]:
-        """One page of the owner's batches, newest first, and whether more follow."""
-        ids = [i.decode() for i in await self.redis.zrange(names.batches_of(owner), 0, -1, desc=True)]
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1:]
-        page = [b for b in [await self.find(i) for i in ids[:limit + 1]] if b is not None]
+        """One page of the owner's batches, newest first, and whether more follow. Read by rank
+        from `after`'s place, never the whole list: it holds every batch the key made in the last
+        32 days, and finished batches count against no quota (an id whose record expired is
+        passed over). An `after` not in the list starts from the newest."""
+        listed = names.batches_of(owner)
+        rank = await self.redis.zrevrank(listed, after) if after is not None else None
+        start, page = 0 if rank is None else rank + 1, []
+        while len(page) <= limit:
+            ids = await self.redis.zrange(listed, start, start + limit - len(page), desc=True)
+            if not ids:
+                break
+            start += len(ids)
+            page += [b for b in [await self.find(i.decode()) for i in ids] if b is not None]
         return page[:limit], len(page) > limit
 
     async def move(self, batch_id: str, to: Status, *sources: Status) -> tuple[bool, str | None]:

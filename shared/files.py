@@ -53,6 +53,7 @@ def new_file_id() -> str:
     return "file-" + secrets.token_hex(12)
 
 
+LIST_SCAN = 256  # ids a listing reads at a time while a purpose filters them
 ABANDONED_S = 86400  # a partial file untouched this long belongs to no upload (they time out first)
 BLANK = b" \t\r\n\f\v"  # a line of only these is blank: not a request, and not counted
 _CONTENT = re.compile(rb"[^ \t\r\n\f\v][^\n]*")  # from a line's first non-blank byte to its end
@@ -192,17 +193,25 @@ class FileStore:
     async def list(self, owner: str, purpose: str | None = None, order: str = "desc",
                    after: str | None = None, limit: int = 100) -> tuple[list[StoredFile], bool]:
         """One page of the owner's files, newest first (or oldest with order=asc), and whether more
-        follow."""
-        ids = [i.decode() for i in await self.redis.zrange(names.files_of(owner), 0, -1,
-                                                           desc=order == "desc")]
-        if after is not None and after in ids:
-            ids = ids[ids.index(after) + 1:]
-        records = []
-        for raw in await redis_client.mget(self.redis, [names.file_record(i) for i in ids]):
-            if raw is not None:
-                record = StoredFile.model_validate_json(raw)
-                if purpose is None or record.purpose == purpose:
-                    records.append(record)
+        follow. Read by rank from `after`'s place, as many as the page needs (LIST_SCAN at a time
+        while a purpose filters them), never the whole list at once: a key may keep up to 100,000
+        files. An `after` not in the list starts from the first."""
+        listed, desc = names.files_of(owner), order == "desc"
+        rank = None
+        if after is not None:
+            rank = await (self.redis.zrevrank if desc else self.redis.zrank)(listed, after)
+        start, records = 0 if rank is None else rank + 1, []
+        while len(records) <= limit:
+            wanted = LIST_SCAN if purpose is not None else limit + 1 - len(records)
+            ids = await self.redis.zrange(listed, start, start + wanted - 1, desc=desc)
+            if not ids:
+                break
+            start += len(ids)
+            for raw in await redis_client.mget(self.redis, [names.file_record(i.decode()) for i in ids]):
+                if raw is not None:
+                    record = StoredFile.model_validate_json(raw)
+                    if purpose is None or record.purpose == purpose:
+                        records.append(record)
         return records[:limit], len(records) > limit
 
     async def delete(self, record: StoredFile) -> None:
