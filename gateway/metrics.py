@@ -128,10 +128,18 @@ async def cluster_metrics(state) -> bytes:
 
 
 async def _known_versions(redis) -> dict[str, list[str]]:
-    """Every served name and the versions ever registered under it."""
+    """Every served name and the versions ever registered under it. The names come from their set
+    (workers add theirs as they register and beat): /metrics needs no key, and a SCAN walked the
+    whole keyspace on every scrape. Only a Redis whose workers came before the set is scanned."""
+    served = sorted(n.decode() for n in await redis.smembers(names.SERVED_NAMES))
+    if not served:
+        served = [names.served_name_of(key.decode()) async for key in
+                  redis.scan_iter(match=names.model_versions_key("*"), count=500)]
     out: dict[str, list[str]] = {}
-    async for key in redis.scan_iter(match=names.model_versions_key("*"), count=500):
-        out[names.served_name_of(key.decode())] = sorted(v.decode() for v in await redis.hkeys(key))
+    for name in served:
+        versions = sorted(v.decode() for v in await redis.hkeys(names.model_versions_key(name)))
+        if versions:
+            out[name] = versions
     return out
 
 

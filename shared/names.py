@@ -63,17 +63,21 @@ def model_versions_key(served_name: str) -> str:
     return f"{PREFIX}:model:{model_tag(served_name)}"
 
 
+SERVED_NAMES = f"{PREFIX}:served"  # set of every served name ever registered (metrics list them)
+
+
 def permanent_keys(served_name: str, version: str) -> set[str]:
     """The request path's keys allowed to live without a TTL, each bounded by something other than
     traffic: the worker set (live workers), the version hash (versions), the version's two streams
-    (every entry is XDELed once answered) and the open-streams index (streams held now; settled ones
-    leave it). docs/redis-keys.md, "Permanent keys"."""
-    return {WORKERS_ZSET, model_versions_key(served_name), request_stream(served_name, version),
+    (every entry is XDELed once answered), the open-streams index (streams held now; settled ones
+    leave it) and the served names (names). docs/redis-keys.md, "Permanent keys"."""
+    return {WORKERS_ZSET, SERVED_NAMES, model_versions_key(served_name), request_stream(served_name, version),
             request_stream(served_name, version, BATCH_LANE), OPEN_STREAMS}
 
 
 def served_name_of(versions_key: str) -> str:
-    """The served name a `model_versions_key` is of (metrics find them by SCAN)."""
+    """The served name a `model_versions_key` is of (metrics find them by SCAN when SERVED_NAMES,
+    which came later, is empty)."""
     return versions_key[len(model_versions_key("")) - 1:-1]
 
 

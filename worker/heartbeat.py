@@ -30,6 +30,7 @@ class Heartbeat:
     def register_model(self) -> None:
         """At start-up: this version of the served name, from this model folder."""
         self.client.hset(*self._registration())
+        self.client.sadd(names.SERVED_NAMES, self.s.served_name)
 
     def _registration(self) -> tuple[str, str, bytes]:
         """(hash, field, value) of this version's entry among the versions of its served name."""
@@ -68,6 +69,7 @@ class Heartbeat:
         pipe.zadd(names.WORKERS_ZSET, {self.s.worker_id: now + self.s.heartbeat_ttl_s})
         pipe.zremrangebyscore(names.WORKERS_ZSET, "-inf", now)
         pipe.hsetnx(*self._registration())  # written again if a Redis restart lost it
+        pipe.sadd(names.SERVED_NAMES, self.s.served_name)
         pipe.execute()
 
     def deregister(self) -> None:
