@@ -18,6 +18,11 @@ from worker.engine.types import EngineRejected, RequestError, Resume, SamplingPa
 log = logging.getLogger("kvgate.worker")
 
 MAX_N = 16  # choices per request: each is a sequence with its own KV
+# One request's prompt_logprobs travel in one reply message: ~130 bytes a prompt token and ~50 a
+# top entry of a scored one (measured on the wire). Redis drops a subscriber it must send more than
+# 32 MB at once, or over 8 MB for a minute (client-output-buffer-limit pubsub), and with it every
+# stream of that gateway: a request whose scores would come to more than this is refused.
+MAX_PROMPT_SCORES_BYTES = 8 << 20
 
 
 class ModelFacts:
@@ -72,6 +77,7 @@ class ModelFacts:
         if params.prompt_logprobs is not None and not self.scores_prompts:
             raise EngineRejected(f"prompt_logprobs need the paged engine; this worker runs "
                                  f"{type(self).__name__}", "invalid_request", "prompt_logprobs")
+        _check_prompt_scores(len(prompt_ids), params)
         return self._check_context(prompt_ids, params)
 
     def _check_logit_bias(self, bias: dict[int, float]) -> None:
@@ -99,6 +105,19 @@ class ModelFacts:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds max_model_len of {self._max_model_len} tokens")
         return total
+
+
+def _check_prompt_scores(prompt_tokens: int, p: SamplingParams) -> None:
+    if p.prompt_logprobs is None:
+        return
+    scored = max(prompt_tokens - max((p.prompt_logprobs_start or 0) - 1, 0) - 1, 0)  # as Sequence scores
+    size = prompt_tokens * 130 + scored * p.prompt_logprobs * 50
+    if size > MAX_PROMPT_SCORES_BYTES:
+        raise EngineRejected(
+            f"prompt_logprobs of {prompt_tokens} prompt tokens, {scored} of them scored with "
+            f"{p.prompt_logprobs} top entries each, come to about {size / 2**20:.1f} MB in one reply; "
+            f"the limit is {MAX_PROMPT_SCORES_BYTES / 2**20:g} MB: score fewer tokens "
+            "(prompt_logprobs_start) or ask for fewer top entries", "invalid_request", "prompt_logprobs")
 
 
 def _check_numbers(p: SamplingParams, vocab_size: int) -> None:

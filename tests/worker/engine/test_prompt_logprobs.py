@@ -86,3 +86,21 @@ def test_tensor_parallel_scores_on_rank_zero(model_dir, reference, random_prompt
     with LLM(model_dir, tensor_parallel_size=2, dtype="float32", block_size=8) as tp2:
         for prompt, result in zip(prompts, tp2.generate(prompts, params)):
             check(prompt, result.prompt_logprobs, reference(prompt), 2)
+
+
+def test_what_one_reply_would_carry_is_bounded(model_dir, monkeypatch):
+    """One entry per prompt token plus each scored token's top: they travel in one reply message,
+    and Redis drops a subscriber it must send more than 32 MB at once (every stream of that gateway
+    with it), so a request that would ask for more is refused, naming the limit."""
+    from worker.engine import base
+
+    monkeypatch.setattr(base, "MAX_PROMPT_SCORES_BYTES", 1 << 20)
+    prompt = [(7 * i) % 2000 + 1 for i in range(1900)]
+    with LLM(model_dir) as llm:
+        with pytest.raises(EngineRejected, match="1899 of them scored with 20 top entries each, come to "
+                                                 "about 2.0 MB in one reply; the limit is 1 MB") as refused:
+            llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=20))
+        assert refused.value.param == "prompt_logprobs"
+        late = SamplingParams(max_tokens=1, prompt_logprobs=20, prompt_logprobs_start=1500)
+        scores = llm.generate([prompt], late)[0].prompt_logprobs  # 1900 × 130 + 400 × 20 × 50 bytes
+        assert sum(s is not None for s in scores) == 400 and len(scores) == 1900
