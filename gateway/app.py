@@ -69,7 +69,8 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(StrictJSONMiddleware)  # inside the body limit: parses bounded bodies only
     app.add_middleware(RateLimitHeaders)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
-                       larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES})
+                       larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES},
+                       read_timeout_s=settings.client_read_timeout_s)
     app.add_middleware(AnthropicShape)  # outside the body limit: its 413 is rewritten too
     app.add_middleware(Observe)  # sees every refusal and every byte sent
     app.add_middleware(WriteDeadline, timeout_s=settings.client_write_timeout_s)  # outermost

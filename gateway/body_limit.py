@@ -10,22 +10,32 @@ Uploads are different: up to KVGATE_MAX_FILE_BYTES, so their routes (`larger`) r
 as a stream, after the key is checked, under their own limit; here only the declared length is
 checked. What a route answers before reading its body, uvicorn discards as it arrives (the
 connection stays usable, so the client reads its answer instead of a reset), never buffering it.
+
+Every body, either way, must keep coming: a client that sends none of it for
+KVGATE_CLIENT_READ_TIMEOUT_S gets a 408 and what it sent is dropped. Without that, one that stopped
+1 byte short held its bytes and its connection for as long as it liked (a thousand connections,
+a GiB); the request's head has its own deadline (gateway/http_protocol.py).
 """
 from __future__ import annotations
 
+import asyncio
+
 from gateway.errors import error_response
-from shared.errors import PayloadTooLarge
+from shared.errors import ClientTooSlow, PayloadTooLarge
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_bytes: int, larger: dict[str, int] | None = None):
+    def __init__(self, app, max_bytes: int, larger: dict[str, int] | None = None,
+                 read_timeout_s: float = 30.0):
         self.app = app
         self.max_bytes = max_bytes
         self.larger = larger or {}  # path -> its own limit; its route reads the body as a stream
+        self.read_timeout_s = read_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        receive = _timed(receive, self.read_timeout_s)
         limit = self.larger.get(scope["path"], self.max_bytes)
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
@@ -35,7 +45,10 @@ class BodyLimitMiddleware:
         body, more = [], True
         total = 0
         while more:  # buffer (at most max_bytes) so chunked bodies are bounded too
-            msg = await receive()
+            try:
+                msg = await receive()
+            except ClientTooSlow as exc:
+                return await error_response(exc)(scope, receive, send)
             if msg["type"] == "http.disconnect":
                 return
             chunk = msg.get("body", b"")
@@ -54,6 +67,26 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+def _timed(receive, timeout_s: float):
+    """`receive`, each message of the body within `timeout_s` (ClientTooSlow beyond); once the body
+    is whole, untimed: what is left to hear is the client leaving, whenever it does."""
+    whole = False
+
+    async def timed():
+        nonlocal whole
+        if whole:
+            return await receive()
+        try:
+            async with asyncio.timeout(timeout_s):
+                msg = await receive()
+        except TimeoutError:
+            raise ClientTooSlow(f"No more of the request body came within {timeout_s:g} s "
+                                "(KVGATE_CLIENT_READ_TIMEOUT_S)") from None
+        whole = msg["type"] != "http.request" or not msg.get("more_body", False)
+        return msg
+    return timed
 
 
 async def _refuse(scope, receive, send, limit: int) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -178,10 +179,19 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
         uvicorn.run("gateway.app:create_app_from_env", factory=True, host=host, port=port,
                     workers=workers, log_level="warning", log_config=None,
                     timeout_graceful_shutdown=int(grace),
-                    loop=settings.event_loop, http=settings.http_parser,
+                    loop=settings.event_loop, http=_http_protocol(settings.http_parser),
                     timeout_keep_alive=settings.http_keepalive_s,
                     ssl_certfile=str(certfile) if certfile else None,
                     ssl_keyfile=str(keyfile) if keyfile else None)
+
+
+def _http_protocol(parser: str):
+    """httptools (auto's choice when installed) with a deadline on request heads; h11 as uvicorn has it."""
+    if parser == "h11" or importlib.util.find_spec("httptools") is None:
+        return parser
+    from gateway.http_protocol import HeadDeadlineProtocol
+
+    return HeadDeadlineProtocol
 
 
 @contextlib.contextmanager

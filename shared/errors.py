@@ -88,6 +88,12 @@ class ClientNotReading(InvalidRequest):
     code = "client_not_reading"
 
 
+class ClientTooSlow(KvgateError):
+    """The client sent no more of its request's body within KVGATE_CLIENT_READ_TIMEOUT_S."""
+
+    status, type, code = 408, "invalid_request_error", "request_timeout"
+
+
 class QuotaExceeded(KvgateError):
     """A stored-data quota of the key (files, bytes, batches in progress); retrying does not help
     until something is deleted or finishes."""

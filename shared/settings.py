@@ -144,6 +144,10 @@ class GatewaySettings(FilesSettings):
                                     "each) one streamed request may leave unread in the gateway "
                                     "while its client does not read; beyond, the stream ends with "
                                     "client_not_reading and its worker stops")
+    client_read_timeout_s: float = Field(30.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a "
+                                         "client may take to send its request's head (the "
+                                         "connection is closed beyond), and between pieces of its "
+                                         "body (408 beyond)")
     client_write_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a "
                                           "client may take to read the next piece (64 KiB) of "
                                           "its response; beyond, the response ends and a "

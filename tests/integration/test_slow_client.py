@@ -2,7 +2,9 @@
 engine): the gateway keeps at most KVGATE_MAX_UNREAD_REPLIES of its replies, then ends the stream
 with client_not_reading (the error event is there when the client reads on) and its worker stops
 generating it; a client that reads is served in full meanwhile. One that reads nothing at all for
-KVGATE_CLIENT_WRITE_TIMEOUT_S is let go: the connection closed, the request cancelled."""
+KVGATE_CLIENT_WRITE_TIMEOUT_S is let go: the connection closed, the request cancelled. And one that
+sends its request slowly: a head not whole within KVGATE_CLIENT_READ_TIMEOUT_S closes the connection,
+a body that stops coming is a 408, while a kept-alive connection may idle between requests."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ from tests.conftest import start_stack, stop_stack
 
 BOUND = 256
 WRITE_TIMEOUT_S = 5
+READ_TIMEOUT_S = 2
 BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs": 20,
        "ignore_eos": True, "stream": True}
 
@@ -24,7 +27,8 @@ BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs":
 def stack(tiny_model_dir, tmp_path_factory):
     s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("slow-client"), "paged",
                     extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND),
-                               "KVGATE_CLIENT_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S)})
+                               "KVGATE_CLIENT_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
+                               "KVGATE_CLIENT_READ_TIMEOUT_S": str(READ_TIMEOUT_S)})
     yield s
     stop_stack(s.proc)
 
@@ -91,3 +95,52 @@ def test_a_client_that_reads_nothing_of_a_large_answer_is_let_go(stack):
     assert not ended and body.startswith(b"HTTP/1.1 200")  # what the buffers held; then closed
     length = int(body.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
     assert len(body.split(b"\r\n\r\n", 1)[1]) < length
+
+
+def _connected(stack) -> socket.socket:
+    host, port = stack.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)))
+
+
+def _closed_after(sock: socket.socket) -> float:
+    """Seconds until the server closes the connection (it sends nothing first)."""
+    started = time.monotonic()
+    sock.settimeout(READ_TIMEOUT_S * 5)
+    assert sock.recv(1024) == b""
+    return time.monotonic() - started
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvgate\r\nAuthor"],
+                         ids=["nothing", "half a head"])
+def test_a_connection_without_a_whole_head_is_closed(stack, sent):
+    sock = _connected(stack)
+    sock.sendall(sent)
+    assert READ_TIMEOUT_S - 0.5 < _closed_after(sock) < READ_TIMEOUT_S * 3
+    sock.close()
+
+
+@pytest.mark.parametrize("path, content_type", [("/v1/chat/completions", b"application/json"),
+                                                ("/v1/files", b"multipart/form-data; boundary=x")])
+def test_a_body_that_stops_coming_is_a_408(stack, path, content_type):
+    sock = _connected(stack)
+    sock.sendall(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer "
+                 + stack.key.encode() + b"\r\nContent-Type: " + content_type
+                 + b"\r\nContent-Length: 100000\r\n\r\n--x\r\n")
+    sock.settimeout(READ_TIMEOUT_S * 5)
+    answer = sock.recv(1 << 16)
+    while b"\r\n\r\n" not in answer or len(answer.split(b"\r\n\r\n", 1)[1]) < int(
+            answer.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+        answer += sock.recv(1 << 16)  # the head and the body may come apart
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["code"] == "request_timeout" and "KVGATE_CLIENT_READ_TIMEOUT_S" in error["message"]
+
+
+def test_a_kept_alive_connection_may_idle_between_requests(stack):
+    with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.key}"}) as client:
+        first = client.get("/v1/models")
+        time.sleep(READ_TIMEOUT_S + 1)  # idle: uvicorn's keep-alive (75 s here) governs, not the head's
+        second = client.get("/v1/models")
+    assert first.status_code == second.status_code == 200
+    assert first.extensions["network_stream"] is second.extensions["network_stream"]  # one connection
