@@ -15,10 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextvars import ContextVar
 
 log = logging.getLogger("kvgate.gateway")
 PIECE = 1 << 16  # asyncio's write buffer pauses the writer above 64 KiB
 WATCH_S = 1.0  # how often sends in progress are looked at (at most: a quarter of the timeout)
+_LET_GO: ContextVar[bool] = ContextVar("kvgate_let_go", default=False)  # this request's task
+
+
+class _LetGoIsNoError(logging.Filter):
+    """uvicorn logs an ERROR for a response its app left unfinished; a client let go here is logged
+    above at INFO, and a client must not fill an operator's error log at will."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_LET_GO.get() and record.getMessage().startswith("ASGI callable returned without"))
+
+
+logging.getLogger("uvicorn.error").addFilter(_LetGoIsNoError())
 
 
 class _Request:
@@ -62,6 +75,7 @@ class WriteDeadline:
             if not request.stalled:
                 raise
             request.task.uncancel()  # cancelled here, for this: the connection closes
+            _LET_GO.set(True)
             log.info("%s %s: the client read nothing for %.0f s; let go", scope["method"],
                      scope["path"], self.timeout_s)
         finally:

@@ -95,6 +95,7 @@ def test_a_client_that_reads_nothing_of_a_large_answer_is_let_go(stack):
     assert not ended and body.startswith(b"HTTP/1.1 200")  # what the buffers held; then closed
     length = int(body.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
     assert len(body.split(b"\r\n\r\n", 1)[1]) < length
+    assert '"level":"ERROR"' not in log.read_text()[since:]  # a client let go is no server error
 
 
 def _connected(stack) -> socket.socket:
