@@ -195,7 +195,15 @@ class WorkerService:
             except REDIS_ERRORS:  # taken again from the backlog once Redis answers (made anew)
                 self.consumer.put_back([waiting.pending])
                 raise
-            self._started(waiting.pending)
+            if not self._started(waiting.pending) and self.fair is not None:
+                self._charge_made(waiting.pending)
+
+    def _charge_made(self, p: PendingEntry) -> None:
+        """A long prompt made but never started (refused: beyond the context, say; or a tokenize
+        answer) still took the prompt thread for as long as its length: its tenant is charged ~a
+        token per 4 bytes of it. Uncharged, a key flooding over-long prompts always had the least
+        counter, went first, and another key's long prompts waited for the thread for ever."""
+        self.fair.charge(p.claim.tenant, len(p.raw) // 4, p.claim.weight)
 
     def _known_entries(self) -> set[bytes]:
         """This worker's entries that are not lost: in flight, their long prompt being made, or over
@@ -220,11 +228,14 @@ class WorkerService:
                and self.consumer.lane(getattr(self.inflight.requests.get(rid), "stream", None)) >= lane}
         return int(self.engine.yield_slot(ids, candidate.claim.priority))
 
-    def _started(self, p: PendingEntry) -> None:
-        """Under the fair order, an admitted request's prompt is charged to its tenant now."""
+    def _started(self, p: PendingEntry) -> bool:
+        """Under the fair order, an admitted request's prompt is charged to its tenant now; whether
+        it was admitted (started in the engine)."""
         act = self.inflight.requests.get(p.claim.request_id) if self.fair and p.claim.request_id else None
         if act is not None and act.entry_id == p.entry_id:
             self.fair.started(p.claim.request_id, p.claim, act.prompt_tokens)
+            return True
+        return False
 
     def _apply_cancels(self) -> None:
         """Aborted in the engine before the next step, so its blocks are free for that step; the

@@ -85,3 +85,31 @@ def test_short_entries_start_while_the_thread_is_busy_with_long_ones(cluster):
                 order.append(item["request_id"])
     # the thread takes two long prompts at a time (AHEAD): the short one ends before the third
     assert order.index("short") < 3, order
+
+
+def test_a_key_flooding_over_long_prompts_does_not_keep_another_keys_long_prompts_waiting(
+        cluster, tiny_model_dir):
+    """A prompt made and then refused (beyond the context) took the thread as long as it is long:
+    its tenant is charged for it, so under the fair order another tenant's long prompts, within the
+    context, go next rather than after every one of the flood's (uncharged, the flood's counter
+    stayed the least, and a prompt of the other tenant sent after the flood's last ended after it)."""
+    from worker.engine.tokenizer import encode_prompt, load_tokenizer
+
+    within = "the " * 2000
+    assert len(encode_prompt(load_tokenizer(str(tiny_model_dir)), within)) + 6 <= 2048
+    ch = Channel(cluster, "long-fair")
+    sent = [("flood0", "flood"), ("flood1", "flood"), ("flood2", "flood"), ("flood3", "flood"),
+            ("light0", "light"), ("flood4", "flood"), ("flood5", "flood"), ("light1", "light")]
+    for rid, tenant in sent:
+        prompt = LONG + rid if tenant == "flood" else within + rid
+        raw = protocol.encode(entry(rid, ch.name, prompt=prompt, key_id=tenant))
+        assert len(raw) > INLINE_BYTES
+        xadd(cluster, raw)
+    ends = {}
+    while len(ends) < len(sent):
+        for item in _next_items(ch, timeout=60):
+            if item["type"] in ("done", "error"):
+                ends[item["request_id"]] = item["type"]
+    order = list(ends)
+    assert ends["light0"] == ends["light1"] == "done" and ends["flood5"] == "error"
+    assert order.index("light1") < order.index("flood5"), order
