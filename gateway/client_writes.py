@@ -5,17 +5,19 @@ before the next send for as long as the client takes to read: forever, for one t
 So a stream waited on forever kept its request's slot and state, and a large non-streamed answer
 its bytes, for as long as the client held the connection open unread. Here a body goes out in
 pieces of PIECE bytes, and a request whose send has waited longer than the timeout is cancelled
-(as for a client that left: a stream's request is cancelled on its worker); what a stalled client
-then holds is a piece or two in the connection's buffer. One watcher task looks at the sends in
-progress every second, so a send costs two attribute writes, not a timer of its own (an
-`asyncio.timeout` per send was 3.6 µs, for every token of every stream). Outermost middleware:
-the pieces are what uvicorn writes.
+(as for a client that left: a stream's request is cancelled on its worker) and its connection reset
+(gateway/http_protocol.py hands over the transport): a stalled client holds nothing after. One
+watcher task looks at the sends in progress every second, so a send costs two attribute writes,
+not a timer of its own (an `asyncio.timeout` per send was 3.6 µs, for every token of every
+stream). Outermost middleware: the pieces are what uvicorn writes.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextvars import ContextVar
+
+from gateway.http_protocol import TRANSPORT
 
 log = logging.getLogger("kvgate.gateway")
 PIECE = 1 << 16  # asyncio's write buffer pauses the writer above 64 KiB
@@ -74,8 +76,10 @@ class WriteDeadline:
         except asyncio.CancelledError:
             if not request.stalled:
                 raise
-            request.task.uncancel()  # cancelled here, for this: the connection closes
+            request.task.uncancel()  # cancelled here, for this: the connection is reset
             _LET_GO.set(True)
+            if (transport := scope.get(TRANSPORT)) is not None:
+                transport.abort()
             log.info("%s %s: the client read nothing for %.0f s; let go", scope["method"],
                      scope["path"], self.timeout_s)
         finally:

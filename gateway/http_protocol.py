@@ -8,6 +8,10 @@ request head within KVGATE_CLIENT_READ_TIMEOUT_S of opening, or of its next requ
 otherwise it is closed (there is no request yet to answer). The body's own deadline is in
 gateway/body_limit.py. `kvgate gateway` serves with this class when httptools is installed (it is
 uvicorn's default then); h11 (KVGATE_HTTP_PARSER=h11) keeps uvicorn's behaviour.
+
+It also puts the connection's transport in the request's scope (TRANSPORT), so a client let go for
+not reading (gateway/client_writes.py) is reset: closed, the connection would keep its unsent bytes,
+its descriptor and the kernel's send buffer for as long as the client's window stays shut.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ import asyncio
 import functools
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+TRANSPORT = "kvgate.transport"  # the scope's key for the connection's transport
 
 
 @functools.cache
@@ -38,6 +44,7 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self.scope[TRANSPORT] = self.transport  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
 
     def connection_lost(self, exc) -> None:
