@@ -9,8 +9,9 @@ import time
 import orjson
 import pytest
 
-from shared import protocol
+from shared import names, protocol
 from tests.integration.test_faults import Cluster
+from tests.worker.test_heard_cancels import publish_cancel
 from tests.worker.test_wire_schemas import Channel, entry, xadd
 from worker.admission import INLINE_BYTES
 
@@ -113,3 +114,23 @@ def test_a_key_flooding_over_long_prompts_does_not_keep_another_keys_long_prompt
     order = list(ends)
     assert ends["light0"] == ends["light1"] == "done" and ends["flood5"] == "error"
     assert order.index("light1") < order.index("flood5"), order
+
+
+def test_a_cancel_heard_while_its_prompt_is_made_is_honoured(cluster):
+    """The client left while its long prompt was in the thread: once made, the entry is acknowledged
+    and never started (no reply at all; started, this one would have answered that it is beyond
+    the context)."""
+    ch = Channel(cluster, "long-cancelled")
+    xadd(cluster, protocol.encode(entry("left", ch.name, prompt=LONG * 6)))  # ~2.5 s to tokenize
+    time.sleep(0.5)  # taken into the thread
+    publish_cancel(cluster, "left")
+    xadd(cluster, protocol.encode(entry("after", ch.name, prompt="hi")))
+    assert ch.raw_replies("after", timeout=60)[-1]["type"] == "done"
+    stream = names.request_stream("demo", "v1")
+    deadline = time.monotonic() + 30
+    while cluster.client.xlen(stream) and time.monotonic() < deadline:
+        message = ch.pubsub.get_message(timeout=0.2)  # anything for "left" is a reply: none may come
+        if message and message["type"] == "message":
+            assert b'"left"' not in message["data"], message["data"][:200]
+    assert cluster.client.xlen(stream) == 0, "the cancelled entry was not acknowledged"
+    assert "left" not in ch.got
