@@ -1,4 +1,4 @@
-"""uvicorn's httptools protocol, with a deadline on a request's head.
+"""uvicorn's httptools protocol, with a deadline and a size bound on a request's head.
 
 uvicorn times out a connection only while it is idle between requests (--timeout-keep-alive, armed
 once a response is done): a connection that opens and sends nothing, or sends a request's head a
@@ -6,7 +6,14 @@ byte at a time, is kept for ever. Anyone who can reach the port could hold conne
 process's file descriptors) until no one else gets one. Here a connection must have sent a whole
 request head within KVGATE_CLIENT_READ_TIMEOUT_S of opening, or of its next request's first byte;
 otherwise it is closed (there is no request yet to answer). The body's own deadline is in
-gateway/body_limit.py. `kvgate gateway` serves with this class when httptools is installed (it is
+gateway/body_limit.py.
+
+Nor did anything bound a head's size: uvicorn's httptools protocol keeps the URL and every header as
+they come (llhttp counts nothing), so one anonymous connection sending headers at loopback speed
+took a gateway from 95 MB to 1.1 GB in a second, and a URL sent in pieces was joined piece by piece
+(quadratic: 200 MB kept the loop busy for 11 s). Here a head may be KVGATE_MAX_HEAD_BYTES long (64
+KiB, as Envoy's 60 KiB and above Node's 16): beyond, the connection is answered 431 and closed. With
+h11 uvicorn bounds it itself (h11_max_incomplete_event_size, given the same setting). `kvgate gateway` serves with this class when httptools is installed (it is
 uvicorn's default then); h11 (KVGATE_HTTP_PARSER=h11) keeps uvicorn's behaviour.
 
 It also puts the connection's transport in the request's scope (TRANSPORT), so a client let go for
@@ -17,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -24,19 +32,58 @@ TRANSPORT = "kvgate.transport"  # the scope's key for the connection's transport
 
 
 @functools.cache
-def head_timeout_s() -> float:
-    """This process's setting (each gateway process builds the protocol in its own)."""
+def _settings():
+    """This process's settings (each gateway process builds the protocol in its own)."""
     from shared.settings import GatewaySettings
 
-    return GatewaySettings().client_read_timeout_s
+    return GatewaySettings()
+
+
+def head_timeout_s() -> float:
+    return _settings().client_read_timeout_s
+
+
+def max_head_bytes() -> int:
+    return _settings().max_head_bytes
+
+
+def _too_large(limit: int) -> bytes:
+    """The 431 for a head past the bound, in the OpenAI error shape, naming the setting."""
+    body = json.dumps({"error": {
+        "message": f"request head (request line and headers) is longer than {limit} bytes "
+                   "(KVGATE_MAX_HEAD_BYTES)",
+        "type": "invalid_request_error", "param": None, "code": "request_head_too_large"}}).encode()
+    return (b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
 
 
 class HeadDeadlineProtocol(HttpToolsProtocol):
     _head_by: asyncio.TimerHandle | None = None
+    _head_left: int | None = None  # bytes the head being read may still take; None: reading a body
+    _refused = False
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._head_left = max_head_bytes()
         self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        left = self._head_left
+        if left is None or len(data) <= left:
+            if left is not None:
+                self._head_left = left - len(data)  # a body's bytes in the same piece count too
+            super().data_received(data)
+            return
+        if self._refused:
+            return
+        # the head may take only `left` more: feed those, and the rest only if the head ended there
+        self._head_left = 0
+        view = memoryview(data)
+        super().data_received(view[:left])
+        if self._head_left == 0 and not self.transport.is_closing():
+            self._refuse()
+        elif not self.transport.is_closing():
+            self.data_received(view[left:])
 
     def on_message_begin(self) -> None:
         self._arm()  # a kept-alive connection's next request: its head from its first byte
@@ -44,8 +91,19 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self._head_left = None
         self.scope[TRANSPORT] = self.transport  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._head_left = max_head_bytes()  # what follows is the next request's head
+        super().on_message_complete()
+
+    def _refuse(self) -> None:
+        self._refused = True
+        self._disarm()
+        self.transport.write(_too_large(max_head_bytes()))
+        self.transport.close()
 
     def connection_lost(self, exc) -> None:
         self._disarm()

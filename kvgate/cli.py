@@ -181,6 +181,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
                     timeout_graceful_shutdown=int(grace),
                     loop=settings.event_loop, http=_http_protocol(settings.http_parser),
                     timeout_keep_alive=settings.http_keepalive_s,
+                    h11_max_incomplete_event_size=settings.max_head_bytes,
                     ssl_certfile=str(certfile) if certfile else None,
                     ssl_keyfile=str(keyfile) if keyfile else None)
 

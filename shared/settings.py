@@ -148,6 +148,9 @@ class GatewaySettings(FilesSettings):
                                          "client may take to send its request's head (the "
                                          "connection is closed beyond), and between pieces of its "
                                          "body (408 beyond)")
+    max_head_bytes: int = Field(65536, ge=1024, le=1 << 24, description="Longest request head "
+                                "(request line and headers) a client may send; beyond, the "
+                                "connection is answered 431 and closed")
     client_write_timeout_s: float = Field(60.0, gt=0, le=MAX_TIMEOUT_S, description="Longest a "
                                           "client may take to read the next piece (64 KiB) of "
                                           "its response; beyond, the response ends and a "

@@ -4,7 +4,8 @@ with client_not_reading (the error event is there when the client reads on) and 
 generating it; a client that reads is served in full meanwhile. One that reads nothing at all for
 KVGATE_CLIENT_WRITE_TIMEOUT_S is let go: the connection closed, the request cancelled. And one that
 sends its request slowly: a head not whole within KVGATE_CLIENT_READ_TIMEOUT_S closes the connection,
-a body that stops coming is a 408, while a kept-alive connection may idle between requests."""
+a body that stops coming is a 408, while a kept-alive connection may idle between requests. A head
+longer than KVGATE_MAX_HEAD_BYTES is a 431 and the connection closed: nothing of it is kept."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from tests.conftest import start_stack, stop_stack
 BOUND = 256
 WRITE_TIMEOUT_S = 5
 READ_TIMEOUT_S = 2
+HEAD_BYTES = 8192
 BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs": 20,
        "ignore_eos": True, "stream": True}
 
@@ -29,7 +31,8 @@ def stack(tiny_model_dir, tmp_path_factory):
     s = start_stack(tiny_model_dir, tmp_path_factory.mktemp("slow-client"), "paged",
                     extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND),
                                "KVGATE_CLIENT_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
-                               "KVGATE_CLIENT_READ_TIMEOUT_S": str(READ_TIMEOUT_S)})
+                               "KVGATE_CLIENT_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
+                               "KVGATE_MAX_HEAD_BYTES": str(HEAD_BYTES)})
     yield s
     stop_stack(s.proc)
 
@@ -153,3 +156,71 @@ def test_a_kept_alive_connection_may_idle_between_requests(stack):
         second = client.get("/v1/models")
     assert first.status_code == second.status_code == 200
     assert first.extensions["network_stream"] is second.extensions["network_stream"]  # one connection
+
+
+def _responses(sock: socket.socket, count: int) -> list[tuple[bytes, bytes]]:
+    """The next `count` responses (status line, body) of a connection; the bodies by Content-Length."""
+    sock.settimeout(30)
+    data, answers = b"", []
+    while len(answers) < count:
+        if b"\r\n\r\n" in data:
+            head, rest = data.split(b"\r\n\r\n", 1)
+            length = int(head.lower().split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+            if len(rest) >= length:
+                answers.append((head.split(b"\r\n", 1)[0], rest[:length]))
+                data = rest[length:]
+                continue
+        chunk = sock.recv(1 << 16)
+        assert chunk, f"closed after {len(answers)} of {count} responses"
+        data += chunk
+    return answers
+
+
+def _get(stack, extra: bytes = b"", path: bytes = b"/v1/models") -> bytes:
+    return (b"GET " + path + b" HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer "
+            + stack.key.encode() + b"\r\n" + extra + b"\r\n")
+
+
+def test_heads_within_the_bound_are_served_even_when_they_arrive_together(stack):
+    """Two pipelined requests whose heads are each just under the bound, in one send: together
+    longer than it, each counted on its own; and a POST whose head and body come in one piece."""
+    near = b"X-Pad: " + b"p" * (HEAD_BYTES - 400) + b"\r\n"
+    sock = _connected(stack)
+    sock.sendall(_get(stack, near) + _get(stack, near))
+    assert [status for status, _ in _responses(sock, 2)] == [b"HTTP/1.1 200 OK"] * 2
+    body = json.dumps({"model": "demo", "prompt": "hi " * 6000}).encode()
+    sock.sendall(b"POST /tokenize HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer "
+                 + stack.key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n" + near + b"\r\n" + body)
+    (status, answer), = _responses(sock, 1)
+    sock.close()
+    assert len(body) > HEAD_BYTES and status == b"HTTP/1.1 200 OK", answer
+    assert json.loads(answer)["count"] > 0
+
+
+@pytest.mark.parametrize("part", ["headers", "url"])
+def test_a_head_past_the_bound_is_a_431_and_nothing_is_kept(stack, part):
+    gateway = psutil.Process(int((stack.state / "gateway.pid").read_text()))
+    sock = _connected(stack)
+    if part == "url":
+        sock.sendall(b"GET /v1/models?q=" + b"u" * (HEAD_BYTES + 100))
+    else:
+        sock.sendall(_get(stack)[:-2] + b"X-Pad: " + b"p" * HEAD_BYTES)
+    (status, answer), = _responses(sock, 1)
+    assert status == b"HTTP/1.1 431 Request Header Fields Too Large"
+    error = json.loads(answer)["error"]
+    assert error["code"] == "request_head_too_large" and "KVGATE_MAX_HEAD_BYTES" in error["message"]
+    sock.settimeout(5)
+    assert sock.recv(1024) == b""  # and closed
+    sock.close()
+    # a client that goes on sending is cut off long before the gateway holds what it sent
+    before = gateway.memory_info().rss
+    sock = _connected(stack)
+    sock.sendall(_get(stack)[:-2])
+    sent = 0
+    with pytest.raises(OSError):  # reset, or broken pipe
+        while sent < 256 << 20:
+            sock.sendall(b"X-Pad: " + b"p" * 4000 + b"\r\n")
+            sent += 4009
+    sock.close()
+    assert sent < 16 << 20 and gateway.memory_info().rss - before < 16 << 20
