@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from gateway import errors
 from gateway.admin_api import router as admin_router
 from gateway.anthropic_shape import AnthropicShape
+from gateway.auth import AuthFirst
 from gateway.batches_api import router as batches_router
 from gateway.files_api import UPLOAD_ENVELOPE_BYTES, router as files_router
 from gateway.canary_api import router as canary_router
@@ -71,6 +72,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes,
                        larger={"/v1/files": settings.max_file_bytes + UPLOAD_ENVELOPE_BYTES},
                        read_timeout_s=settings.client_read_timeout_s)
+    app.add_middleware(AuthFirst)  # no body is read (or waited for) before its key is known
     app.add_middleware(AnthropicShape)  # outside the body limit: its 413 is rewritten too
     app.add_middleware(Observe)  # sees every refusal and every byte sent
     app.add_middleware(WriteDeadline, timeout_s=settings.client_write_timeout_s)  # outermost

@@ -80,6 +80,10 @@ def redis_unavailable(exc: BaseException) -> Overloaded:
 
 
 async def _on_redis(_: Request, exc: Exception) -> JSONResponse:
+    return redis_error_response(exc)
+
+
+def redis_error_response(exc: Exception) -> JSONResponse:
     if refusal(exc) is None:  # not a refusal that passes: a bug or a broken key; say it loudly
         log.error("redis error: %s: %s", type(exc).__name__, exc)
     else:

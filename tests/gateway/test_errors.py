@@ -26,22 +26,32 @@ def test_an_error_carries_its_headers_and_retry_after():
 
 
 @pytest.fixture
-async def client():
-    app = create_app(GatewaySettings(secret="s", max_body_bytes=1024))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-        yield c
+async def client(redis_server):
+    app = create_app(GatewaySettings(secret="s", max_body_bytes=1024, redis_url=redis_server.url,
+                                     api_key="sk-boot"))
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://gw") as c:
+            yield c
 
 
-@pytest.mark.parametrize("method, path, body, status, kind, code", [
-    ("GET", "/nowhere", None, 404, "invalid_request_error", None),
-    ("GET", "/v1/chat/completions", None, 405, "invalid_request_error", None),
-    ("POST", "/v1/completions", b"{not json", 422, "invalid_request_error", "invalid_value"),
-    ("POST", "/v1/completions", b"x" * 2048, 413, "invalid_request_error", "payload_too_large"),
+@pytest.mark.parametrize("method, path, body, key, status, kind, code", [
+    ("GET", "/nowhere", None, "sk-boot", 404, "invalid_request_error", None),
+    ("GET", "/v1/chat/completions", None, "sk-boot", 405, "invalid_request_error", None),
+    ("POST", "/v1/completions", b"{not json", "sk-boot", 422, "invalid_request_error", "invalid_value"),
+    ("POST", "/v1/completions", b"x" * 2048, "sk-boot", 413, "invalid_request_error",
+     "payload_too_large"),
+    # a body is not looked at before its key is known: not JSON, too large, and still a 401
+    ("POST", "/v1/completions", b"{not json", None, 401, "authentication_error", "invalid_api_key"),
+    ("POST", "/v1/completions", b"x" * 2048, "sk-wrong", 401, "authentication_error",
+     "invalid_api_key"),
 ])
-async def test_refusals_before_any_route_runs_are_in_openai_shape(client, method, path, body, status,
-                                                                  kind, code):
-    resp = await client.request(method, path, content=body,
-                                headers={"content-type": "application/json"})
+async def test_refusals_before_any_route_runs_are_in_openai_shape(client, method, path, body, key,
+                                                                  status, kind, code):
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["authorization"] = f"Bearer {key}"
+    resp = await client.request(method, path, content=body, headers=headers)
     assert resp.status_code == status
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}

@@ -224,3 +224,45 @@ def test_a_head_past_the_bound_is_a_431_and_nothing_is_kept(stack, part):
             sent += 4009
     sock.close()
     assert sent < 16 << 20 and gateway.memory_info().rss - before < 16 << 20
+
+
+def _chunked(stack, pieces: list[bytes], path: bytes = b"/tokenize") -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer " + stack.key.encode()
+            + b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in pieces) + b"0\r\n\r\n")
+
+
+def test_a_body_in_tiny_chunks_is_refused_and_one_in_fair_chunks_served(stack):
+    """Each chunk costs the loop a parser callback: a body in one-byte chunks is refused after a
+    thousand or so (400 too_many_chunks, closed), one in 700-byte chunks is read whole."""
+    body = json.dumps({"model": "demo", "prompt": "hi " * 1000}).encode()
+    sock = _connected(stack)
+    sock.sendall(_chunked(stack, [body[i:i + 1] for i in range(len(body))]))
+    (status, answer), = _responses(sock, 1)
+    sock.close()
+    assert status == b"HTTP/1.1 400 Bad Request"
+    error = json.loads(answer)["error"]
+    assert error["code"] == "too_many_chunks" and "1024" in error["message"]
+    body = json.dumps({"model": "demo", "prompt": "hi " * 300_000}).encode()  # ~900 KB
+    sock = _connected(stack)
+    sock.sendall(_chunked(stack, [body[i:i + 700] for i in range(0, len(body), 700)]))
+    (status, answer), = _responses(sock, 1)
+    sock.close()
+    assert len(body) // 700 > 1024 and status == b"HTTP/1.1 200 OK", answer[:300]
+    assert json.loads(answer)["count"] > 0
+
+
+@pytest.mark.parametrize("key", [None, "sk-not-a-key"], ids=["no key", "a wrong key"])
+def test_a_body_is_not_read_before_its_key_is_known(stack, key):
+    """A POST without a valid key is answered as soon as its head is in: the gateway does not wait
+    for (or parse) a body it would refuse. Waiting, it would have answered 408 after the read
+    timeout."""
+    sock = _connected(stack)
+    auth = b"" if key is None else b"Authorization: Bearer " + key.encode() + b"\r\n"
+    started = time.monotonic()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvgate\r\n" + auth
+                 + b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{")
+    (status, answer), = _responses(sock, 1)
+    sock.close()
+    assert status == b"HTTP/1.1 401 Unauthorized" and time.monotonic() - started < READ_TIMEOUT_S
+    assert json.loads(answer)["error"]["code"] == "invalid_api_key"
