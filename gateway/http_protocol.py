@@ -13,7 +13,11 @@ they come (llhttp counts nothing), so one anonymous connection sending headers a
 took a gateway from 95 MB to 1.1 GB in a second, and a URL sent in pieces was joined piece by piece
 (quadratic: 200 MB kept the loop busy for 11 s). Here a head may be KVGATE_MAX_HEAD_BYTES long (64
 KiB, as Envoy's 60 KiB and above Node's 16): beyond, the connection is answered 431 and closed. With
-h11 uvicorn bounds it itself (h11_max_incomplete_event_size, given the same setting). `kvgate gateway` serves with this class when httptools is installed (it is
+h11 uvicorn bounds it itself (h11_max_incomplete_event_size, given the same setting).
+
+Two more things a connection cannot make the gateway keep or do: more than MAX_PIPELINED requests
+waiting behind the one being answered (uvicorn parsed and queued every request a piece held), and a
+chunked body in thousands of tiny chunks (a Python callback each). `kvgate gateway` serves with this class when httptools is installed (it is
 uvicorn's default then); h11 (KVGATE_HTTP_PARSER=h11) keeps uvicorn's behaviour.
 
 It also puts the connection's transport in the request's scope (TRANSPORT), so a client let go for
@@ -25,8 +29,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from gateway.metrics import CONNECTIONS_REFUSED
 
 TRANSPORT = "kvgate.transport"  # the scope's key for the connection's transport
 
@@ -47,6 +54,7 @@ def max_head_bytes() -> int:
     return _settings().max_head_bytes
 
 
+MAX_PIPELINED = 32  # requests a connection may have waiting behind the one being answered
 FREE_CHUNKS = 1024  # a chunked body's pieces beyond these must come to CHUNK_BYTES each on average
 CHUNK_BYTES = 1024
 
@@ -59,8 +67,22 @@ def _error(status: bytes, message: str, code: str) -> bytes:
             b"connection: close\r\n\r\n%s" % (status, len(body), body))
 
 
-class _TooManyChunks(Exception):
-    """Raised from the parser's callback: llhttp stops at once (the piece may hold 40,000 more)."""
+class _QuietWhenRefused(logging.Filter):
+    """uvicorn logs a WARNING "Invalid HTTP request received." for whatever a parser callback raises;
+    ours is a refusal, counted in kvgate_gateway_connections_refused_total (a client refused in a
+    millisecond reconnects: a line each would let it fill the operator's log)."""
+    refusing = False  # set while the callback that refused unwinds through uvicorn's handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.refusing and record.getMessage() == "Invalid HTTP request received.")
+
+
+_quiet = _QuietWhenRefused()
+logging.getLogger("uvicorn.error").addFilter(_quiet)
+
+
+class _Refused(Exception):
+    """Raised from a parser callback: llhttp stops at once (the piece may hold 40,000 more)."""
 
 
 class HeadDeadlineProtocol(HttpToolsProtocol):
@@ -94,7 +116,8 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
             limit = max_head_bytes()
             self._refuse(_error(b"431 Request Header Fields Too Large",
                                 f"request head (request line and headers) is longer than {limit} "
-                                "bytes (KVGATE_MAX_HEAD_BYTES)", "request_head_too_large"))
+                                "bytes (KVGATE_MAX_HEAD_BYTES)", "request_head_too_large"),
+                         "head_too_large")
         elif not self.transport.is_closing():
             self.data_received(view[left:])
 
@@ -108,6 +131,11 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         self._chunks = self._body_bytes = 0
         self.scope[TRANSPORT] = self.transport  # type: ignore[typeddict-unknown-key]
         super().on_headers_complete()
+        if len(self.pipeline) > MAX_PIPELINED:
+            # uvicorn parses every request a piece holds and queues those behind the one being
+            # answered (~2.5 KB each): 1 MiB of pipelined GETs that are never read was ~75 MB
+            self._refuse(None, "too_many_pipelined")  # the ones before are owed theirs first
+            self._raise()
 
     def on_message_complete(self) -> None:
         self._head_left = max_head_bytes()  # what follows is the next request's head
@@ -123,16 +151,23 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
             self._refuse(None if answered else _error(
                 b"400 Bad Request", f"chunked request body in too many pieces: {self._chunks} in "
                 f"{self._body_bytes} bytes (beyond {FREE_CHUNKS}, they must average "
-                f"{CHUNK_BYTES} bytes)", "too_many_chunks"))
-            raise _TooManyChunks
+                f"{CHUNK_BYTES} bytes)", "too_many_chunks"), "too_many_chunks")
+            self._raise()
+
+    def _raise(self) -> None:
+        """Stop the parser; uvicorn's handler runs quietly (its warning and its 400 are not ours)."""
+        _quiet.refusing = True  # until uvicorn's handler has logged: it then calls the method below
+        raise _Refused
 
     def send_400_response(self, msg: str) -> None:
+        _quiet.refusing = False
         if not self._refused:  # uvicorn's answer to a parser error; ours went already
             super().send_400_response(msg)
 
-    def _refuse(self, response: bytes | None) -> None:
+    def _refuse(self, response: bytes | None, why: str) -> None:
         self._refused = True
         self._disarm()
+        CONNECTIONS_REFUSED.labels(why).inc()
         if response is not None:
             self.transport.write(response)
         self.transport.close()

@@ -44,6 +44,10 @@ TTFT = Histogram("kvgate_gateway_time_to_first_token_seconds", "From a streamed 
                  buckets=TTFT_BUCKETS)
 RATE_LIMITED = Counter("kvgate_gateway_rate_limited", "Requests refused with 429, by the limit "
                        "they hit", ["limit"])
+CONNECTIONS_REFUSED = Counter("kvgate_gateway_connections_refused", "Connections closed by the "
+                              "HTTP layer before the app saw their request, by reason "
+                              "(gateway/http_protocol.py)", ["reason"])
+REFUSAL_REASONS = ("head_too_large", "too_many_chunks", "too_many_pipelined")
 STREAMS = Gauge("kvgate_gateway_streams_in_flight", "SSE streams open to clients", ["model", "version"],
                 multiprocess_mode="livesum")
 LOOP_LAG = Gauge("kvgate_gateway_event_loop_lag_seconds", "How late this process's event loop ran "
@@ -57,6 +61,8 @@ QUEUE_GATE_WAITING = Gauge("kvgate_gateway_queue_gate_waiting", "Requests waitin
                            multiprocess_mode="livesum")
 for _limit in LIMITS:  # every limit has a series from the start
     RATE_LIMITED.labels(_limit)
+for _reason in REFUSAL_REASONS:
+    CONNECTIONS_REFUSED.labels(_reason)
 
 
 def rate_limited(limit: str) -> None:
