@@ -17,8 +17,10 @@ h11 uvicorn bounds it itself (h11_max_incomplete_event_size, given the same sett
 
 Two more things a connection cannot make the gateway keep or do: more than MAX_PIPELINED requests
 waiting behind the one being answered (uvicorn parsed and queued every request a piece held), and a
-chunked body in thousands of tiny chunks (a Python callback each). `kvgate gateway` serves with this class when httptools is installed (it is
-uvicorn's default then); h11 (KVGATE_HTTP_PARSER=h11) keeps uvicorn's behaviour.
+chunked body in thousands of tiny chunks (a Python callback each).
+
+`kvgate gateway` serves with this class when httptools is installed (it is uvicorn's default then);
+h11 (KVGATE_HTTP_PARSER=h11) keeps uvicorn's behaviour.
 
 It also puts the connection's transport in the request's scope (TRANSPORT), so a client let go for
 not reading (gateway/client_writes.py) is reset: closed, the connection would keep its unsent bytes,
@@ -89,6 +91,8 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
     _head_by: asyncio.TimerHandle | None = None
     _head_left: int | None = None  # bytes the head being read may still take; None: reading a body
     _refused = False
+    _answering = None  # the request whose app runs (uvicorn's `cycle` is the newest: with requests
+    # pipelined behind it, another)
     _chunks = 0  # the body's chunks so far
     _body_bytes = 0  # the body's bytes on the wire so far (chunked: with their framing)
 
@@ -171,10 +175,25 @@ class HeadDeadlineProtocol(HttpToolsProtocol):
         if response is not None:
             self.transport.write(response)
         self.transport.close()
+        self._client_left()
+
+    def _start_asgi_task(self, cycle, app) -> None:
+        self._answering = cycle
+        super()._start_asgi_task(cycle, app)
 
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
+        self._client_left()
+
+    def _client_left(self) -> None:
+        """uvicorn tells only its newest request that the client left; with requests pipelined
+        behind it, the one being answered (a stream, say) went on writing to the closed connection:
+        uvloop raises there, an ERROR logged for a client that merely left."""
+        answering = self._answering
+        if answering is not None and not answering.response_complete:
+            answering.disconnected = True
+            answering.message_event.set()
 
     def _arm(self) -> None:
         if self._head_by is None:

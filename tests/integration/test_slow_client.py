@@ -294,3 +294,20 @@ def test_a_connection_may_pipeline_a_few_requests_not_thousands(stack):
     sock.close()
     assert received.count(b"HTTP/1.1 200 OK") < 2000
     assert _refused(stack, "too_many_pipelined") == before + 1
+    # a stream being answered when its connection is closed for this is told its client left (as
+    # for any disconnect it may be resumed, so its worker goes on); it wrote on into the closed
+    # connection, an ERROR each time
+    worker_log, gateway_log = stack.state / "worker.log", stack.state / "gateway.log"
+    since, gateway_since = len(worker_log.read_text()), len(gateway_log.read_text())
+    raw = json.dumps({**BIG, "n": 1, "logprobs": None}).encode()
+    stream = (b"POST /v1/completions HTTP/1.1\r\nHost: kvgate\r\nAuthorization: Bearer "
+              + stack.key.encode() + b"\r\nContent-Type: application/json\r\nContent-Length: "
+              + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    sock = _connected(stack)
+    sock.sendall(stream)
+    sock.settimeout(30)
+    assert sock.recv(1 << 16).startswith(b"HTTP/1.1 200 OK")  # streaming
+    sock.sendall(_get(stack) * 40)
+    _until_logged(worker_log, "request finished", since=since, timeout=60)
+    sock.close()
+    assert '"level":"ERROR"' not in gateway_log.read_text()[gateway_since:]  # the client left: no error
