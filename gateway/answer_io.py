@@ -9,14 +9,14 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.background import BackgroundTask
 
 from gateway import client_wait, resume
 from gateway.admission import Lease
 from gateway.dispatch import KEEPALIVE, Lookahead
-from gateway.openai_api import SSE_HEADERS, Answer, Call, first_reply_held, sse_data
+from gateway.openai_api import SSE_HEADERS, Answer, Call, first_reply_held, json_body, sse_data
 from gateway.schemas import ChatCompletionRequest
 from gateway.state import GatewayState
 from shared import protocol
@@ -70,7 +70,7 @@ async def whole(request: Request, lease: Lease, answer: Answer, render: Renderer
         return Response(status_code=499)
     lease.finished(usage)
     await render.done(usage)
-    return JSONResponse(render.result(), headers=client_wait.named(answer))
+    return json_body(render.result(), client_wait.named(answer))
 
 
 async def _drain(replies: AsyncIterator, render: Renderer) -> dict:

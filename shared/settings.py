@@ -140,6 +140,10 @@ class GatewaySettings(FilesSettings):
                                     "an SSE error event; 0: at once)")
     max_resumes_per_minute: int = Field(10, ge=1, le=10_000, description="Resumes of one stream "
                                         "(Last-Event-ID) a minute; beyond, 429 with Retry-After")
+    max_answer_logprobs: int = Field(262144, ge=1, description="Log-probabilities (each token's "
+                                     "and each of its top alternatives count one) a non-streamed "
+                                     "answer may carry, ~330 bytes each held in the gateway; "
+                                     "beyond, 400 answer_too_large (a stream has no such bound)")
     max_unread_replies: int = Field(16384, ge=1, description="Replies (a choice's token or tokens "
                                     "each) one streamed request may leave unread in the gateway "
                                     "while its client does not read; beyond, the stream ends with "

@@ -23,6 +23,7 @@ BOUND = 256
 WRITE_TIMEOUT_S = 5
 READ_TIMEOUT_S = 2
 HEAD_BYTES = 8192
+ANSWER_LOGPROBS = 2000
 BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs": 20,
        "ignore_eos": True, "stream": True}
 
@@ -33,7 +34,8 @@ def stack(tiny_model_dir, tmp_path_factory):
                     extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND),
                                "KVGATE_CLIENT_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
                                "KVGATE_CLIENT_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
-                               "KVGATE_MAX_HEAD_BYTES": str(HEAD_BYTES)})
+                               "KVGATE_MAX_HEAD_BYTES": str(HEAD_BYTES),
+                               "KVGATE_MAX_ANSWER_LOGPROBS": str(ANSWER_LOGPROBS)})
     yield s
     stop_stack(s.proc)
 
@@ -311,3 +313,30 @@ def test_a_connection_may_pipeline_a_few_requests_not_thousands(stack):
     _until_logged(worker_log, "request finished", since=since, timeout=60)
     sock.close()
     assert '"level":"ERROR"' not in gateway_log.read_text()[gateway_since:]  # the client left: no error
+
+
+def test_a_non_streamed_answer_carries_a_bounded_number_of_logprobs(stack):
+    """A whole answer is held in the gateway until it is done, its log-probabilities ~330 bytes each:
+    past KVGATE_MAX_ANSWER_LOGPROBS (each token's and each top alternative count one) the request
+    ends with 400 answer_too_large and its worker stops; within it, served whole; streamed, the
+    same request has no such bound (the unread bound governs it)."""
+    headers = {"Authorization": f"Bearer {stack.key}"}
+    body = {"model": "demo", "prompt": "hi", "n": 2, "logprobs": 5, "ignore_eos": True}
+    within = httpx.post(f"{stack.url}/v1/completions", headers=headers, timeout=60,
+                        json={**body, "max_tokens": 150})  # 2 x 150 x 6 = 1,800
+    assert within.status_code == 200, within.text
+    for choice in within.json()["choices"]:
+        assert len(choice["logprobs"]["top_logprobs"]) == 150
+        assert all(len(top) == 5 for top in choice["logprobs"]["top_logprobs"])
+    worker_log = stack.state / "worker.log"
+    since = len(worker_log.read_text())
+    beyond = httpx.post(f"{stack.url}/v1/completions", headers=headers, timeout=60,
+                        json={**body, "max_tokens": 1500})  # 18,000
+    assert beyond.status_code == 400, beyond.text
+    error = beyond.json()["error"]
+    assert error["code"] == "answer_too_large" and "KVGATE_MAX_ANSWER_LOGPROBS" in error["message"]
+    _until_logged(worker_log, "on cancel", since=since, timeout=30)  # not generated to the end
+    with httpx.stream("POST", f"{stack.url}/v1/completions", headers=headers, timeout=60,
+                      json={**body, "max_tokens": 1500, "stream": True}) as streamed:
+        events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert len(events) == 2 * 1500 and '"error"' not in events[-1]
