@@ -295,11 +295,17 @@ class Llama3Parser(ToolParser):
     def __init__(self):
         super().__init__()
         self.state = "start"
-        self.seen = ""  # everything fed, to give back whole if the output was not calls after all
+        self.seen: list[str] = []  # everything fed, to give back whole if the output was not calls
+        # after all; in pieces, as is what follows once buffered (`+=` copied the whole output for
+        # every piece: quadratic in its length, on the gateway's event loop)
+        self.rest: list[str] = []
         self.lead = 0  # how much of `buf` is known to be leading whitespace (not searched again)
 
     def feed(self, text: str) -> list[Event]:
-        self.seen += text
+        self.seen.append(text)
+        if self.state == "buffered":  # judged whole at the end
+            self.rest.append(text)
+            return []
         return super().feed(text)
 
     def _start(self, out: list[Event]) -> bool:
@@ -338,6 +344,7 @@ class Llama3Parser(ToolParser):
 
     def finish(self) -> list[Event]:
         out: list[Event] = []
+        self.buf, self.rest = self.buf + "".join(self.rest), []
         if self.state in ("text", "start"):
             self._content(out, self.buf)
         elif self.state in ("header", "buffered"):
@@ -347,7 +354,7 @@ class Llama3Parser(ToolParser):
             elif self.calls:
                 self._content(out, self.buf)
             else:
-                out.append(Content(self.seen))
+                out.append(Content("".join(self.seen)))
         self.buf = ""
         return out
 

@@ -28,7 +28,6 @@ class IncrementalDetokenizer:
         self.stop = [s for s in stop if s]
         self.include_stop = include_stop_str_in_output
         self.pending = ""  # decoded, complete text held back because it may begin a stop string
-        self.text = ""  # everything released so far
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
@@ -68,7 +67,6 @@ class IncrementalDetokenizer:
         else:
             cut = len(self.pending) - (0 if final else self._possible_stop_prefix_len())
             out, self.pending = self.pending[:cut], self.pending[cut:]
-        self.text += out
         return out
 
     def _first_stop(self) -> tuple[int, int] | None:
