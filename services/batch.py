@@ -14,8 +14,10 @@ dies is resumed (by the maintenance beat) from where it was, and the final count
 the same records the files are written from: `completed` is the output file's lines, `failed` the
 error file's. The output and error files are written from the progress file one record at a time,
 in input order, through an index of where each line's record is: no step holds every result in
-memory. They count against the owner's stored-data quota, but are never refused by it (a batch may
-only start with room left; its results are not thrown away for want of it).
+memory. They count against the owner's stored-data quota: a batch may only start with room left,
+and once its results take what the quota left when it started running, its remaining lines are not
+sent (each fails with quota_exceeded); what came back is never thrown away. Without that a key's
+batches wrote as fast as the fleet generated (with logprobs, ~700 bytes a token), past any quota.
 """
 from __future__ import annotations
 
@@ -63,6 +65,8 @@ class Runner:
         self._marks: dict[str, tuple[float, bool]] = {}  # model -> (looked at, interactive busy)
         self.held_s = 0.0  # sender-seconds spent yielding to interactive traffic
         self.input: Input | None = None  # while the batch's lines are sent
+        self.room: int | None = None  # bytes the results may take (None: no quota)
+        self.full = ""  # why a line is not sent once they have
 
     async def run(self) -> str:
         """What happened, in a few words (the Celery task's result, and its log line)."""
@@ -97,12 +101,24 @@ class Runner:
                 return await self._finalize(batch, lines, "cancelled")
         done = self.progress.index()
         await self.store.update(self.id, **tally(done.values()))  # resumed: as far as it got
+        await self._measure_room(batch)
         for line in lines:
             if line.error is not None and line.number not in done:
                 await self._record(line, result(line, error=line.error))
         todo = [ln for ln in lines if ln.span is not None and ln.number not in done]
         ending = await self._send_all(batch, todo)
         return await self._finalize(batch, lines, ending)
+
+    async def _measure_room(self, batch: Batch) -> None:
+        """What the results may take: the owner's byte quota less what it keeps now (its files,
+        this batch's input among them; the results so far are not a file yet)."""
+        if batch.max_stored_bytes is None:
+            return
+        kept = (await self.store.quota.usage(batch.owner)).bytes
+        self.room = batch.max_stored_bytes - kept
+        self.full = (f"This line was not run: the batch's results took what its owner's stored-data "
+                     f"quota left (max_stored_bytes: Limit {batch.max_stored_bytes}, Used {kept} when "
+                     "the batch started). Delete files to make room.")
 
     async def _open(self, batch: Batch) -> tuple[Input, list[Line]] | None:
         """The input file and its lines; None when the batch cannot run at all (and has failed)."""
@@ -177,6 +193,9 @@ class Runner:
         last_s = 0.0  # how long this sender's last line took
         while not queue.empty():
             line = queue.get_nowait()
+            if self.room is not None and self.progress.bytes >= self.room:
+                await self._record(line, result(line, error=("quota_exceeded", self.full)))
+                continue
             await self._yield_to_interactive(slot, line.model, last_s)
             started = time.monotonic()
             await self._record(line, await self._send(http, endpoint, line))

@@ -50,6 +50,7 @@ class Progress:
 
     def __init__(self, path: Path):
         self.path = path
+        self.bytes = path.stat().st_size if path.exists() else 0  # what the results take so far
 
     def index(self) -> dict[int, Entry]:
         """Line number -> its entry, read one record at a time."""
@@ -77,8 +78,10 @@ class Progress:
 
     def append(self, number: int, record: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        raw = orjson.dumps({"line": number, "result": record}) + b"\n"
         with open(self.path, "ab") as f:
-            f.write(orjson.dumps({"line": number, "result": record}) + b"\n")
+            f.write(raw)
+        self.bytes += len(raw)
 
 
 def usage_of(record: dict) -> dict:

@@ -97,13 +97,15 @@ class BatchObject(BaseModel):
 
 class Batch(BatchObject):
     owner: str  # the key id that created it; its lines are governed as that key's requests
+    max_stored_bytes: int | None = None  # the owner's byte quota when it was made: the runner
+    # stops sending lines once their results would pass it (None: no quota)
 
     def public(self) -> BatchObject:
-        return BatchObject.model_validate(self.model_dump(exclude={"owner"}))
+        return BatchObject.model_validate(self.model_dump(exclude={"owner", "max_stored_bytes"}))
 
 
 _STATIC = ("id", "endpoint", "input_file_id", "completion_window", "created_at", "expires_at",
-           "metadata", "owner")
+           "metadata", "owner", "max_stored_bytes")
 _TIMES = tuple(f"{s}_at" for s in ("in_progress", "finalizing", "completed", "failed", "expired",
                                    "cancelling", "cancelled"))
 
@@ -179,7 +181,8 @@ class BatchStore:
         now = int(time.time())
         batch = Batch(id=new_batch_id(), endpoint=endpoint, input_file_id=input_file_id,
                       completion_window=completion_window, status="validating", created_at=now,
-                      expires_at=now + WINDOWS[completion_window], metadata=metadata, owner=owner)
+                      expires_at=now + WINDOWS[completion_window], metadata=metadata, owner=owner,
+                      max_stored_bytes=limits.bytes if limits is not None else None)
         await self.quota.hold_batch(owner, batch.id, batch.expires_at + QUOTA_GRACE_S, limits)
         static = batch.model_dump_json(include=set(_STATIC))
         kept_s = int(self.retention_s) + 2 * 86400  # longer than any record lives (window + retention)

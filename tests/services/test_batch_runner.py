@@ -309,3 +309,37 @@ async def test_lines_are_read_back_as_they_are_sent_even_if_the_input_file_is_de
 
     _, done = await _run(client, settings, batch, gateway)
     assert done.status == "completed" and sorted(sent) == [f"r{i}" for i in range(6)]
+
+
+async def test_a_batch_stops_sending_once_its_results_take_what_the_quota_left(env):
+    """Results count against the owner's byte quota: once they take what it left when the batch
+    started, the remaining lines are not sent (quota_exceeded each), and what came back is kept.
+    Without it, a key's batches wrote results as fast as the fleet made them, past any quota."""
+    from shared.quota import QuotaLimits
+
+    client, settings = env
+    owner, sent = "key_quota", []
+    files = FileStore(client, settings.data_dir, 3600)
+    source = await files.create(owner, "in.jsonl", "batch",
+                                ("\n".join(line(f"q{i}") for i in range(20)) + "\n").encode())
+    room = 5000  # ~2 results of ~2 KB each
+    batch = await BatchStore(client).create(owner, ENDPOINT, source.id, "24h", None,
+                                            QuotaLimits(owner, bytes=source.bytes + room))
+
+    async def gateway(request: httpx.Request) -> httpx.Response:
+        sent.append(orjson.loads(request.content)["messages"][0]["content"])
+        await asyncio.sleep(0.01)
+        return httpx.Response(200, json={"object": "chat.completion",
+                                         "choices": [{"message": {"content": "x" * 2000}}],
+                                         "usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                                   "total_tokens": 5}})
+
+    outcome, done = await _run(client, settings, batch, gateway)
+    out, errors = await _lines(files, done.output_file_id), await _lines(files, done.error_file_id)
+    assert outcome.startswith("completed") and len(out) + len(errors) == 20
+    assert 2 <= len(out) == len(sent) <= 2 + settings.batch_concurrency  # those in flight finish
+    assert {e["error"]["code"] for e in errors} == {"quota_exceeded"}
+    assert "max_stored_bytes" in errors[0]["error"]["message"]
+    assert sorted(o["custom_id"] for o in out) == sorted(sent)  # nothing that came back was lost
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(out), len(errors))
+    assert "max_stored_bytes" not in done.public().model_dump()
