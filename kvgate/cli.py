@@ -166,6 +166,7 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
 
     settings = GatewaySettings()
     logs.setup(settings.log_level, "gateway")
+    _raise_open_files()
     grace = settings.drain_grace_s  # SIGTERM: stop accepting, let open streams finish
     certfile, keyfile = ssl_certfile or settings.ssl_certfile, ssl_keyfile or settings.ssl_keyfile
     if bool(certfile) != bool(keyfile):
@@ -184,6 +185,21 @@ def gateway(host: str, port: int, redis_url: str, workers: int, ssl_certfile: st
                     h11_max_incomplete_event_size=settings.max_head_bytes,
                     ssl_certfile=str(certfile) if certfile else None,
                     ssl_keyfile=str(keyfile) if keyfile else None)
+
+
+def _raise_open_files() -> None:
+    """The soft limit on open files up to the hard one, for this process and the gateway processes
+    it starts (what nginx's worker_rlimit_nofile and Go's runtime do). Every client connection is a
+    descriptor, and so is every Redis connection: at the usual soft limit of 1024 (256 here in the
+    test) a few hundred idle connections from anyone left the gateway resetting every new one, and
+    unable to open the Redis connections its requests need, until the head deadline freed them."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):  # a platform that refuses: keep what it gave
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def _http_protocol(parser: str):
