@@ -59,6 +59,7 @@ class LLM:
         params = params or SamplingParams()
         params_list = params if isinstance(params, list) else [params] * len(prompts)
         results = {}
+        texts: dict[tuple[str, int], list[str]] = {}  # joined once: `+=` per token is quadratic
         for i, (prompt, p) in enumerate(zip(prompts, params_list)):
             ids = encode_prompt(self.engine.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
             results[str(i)] = GenerationResult(ids, [Completion(j) for j in range(p.n)])
@@ -67,11 +68,15 @@ class LLM:
             for out in self.engine.step():
                 choice = results[out.request_id].outputs[out.index]
                 choice.token_ids += out.new_token_ids
-                choice.text += out.text
+                texts.setdefault((out.request_id, out.index), []).append(out.text)
                 if out.prompt_logprobs is not None:
                     results[out.request_id].prompt_logprobs = out.prompt_logprobs
                 if out.logprobs is not None:
-                    choice.logprobs = (choice.logprobs or []) + out.logprobs
+                    if choice.logprobs is None:
+                        choice.logprobs = []
+                    choice.logprobs.extend(out.logprobs)
                 if out.finished:
                     choice.finish_reason = out.finish_reason
+        for (request_id, index), pieces in texts.items():
+            results[request_id].outputs[index].text = "".join(pieces)
         return [results[str(i)] for i in range(len(prompts))]
