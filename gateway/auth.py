@@ -2,10 +2,12 @@
 the settings' bootstrap keys)."""
 from __future__ import annotations
 
+import functools
 import hmac
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.routing import APIRoute
 
 from gateway.deps import state_of
 from gateway.errors import error_response, redis_error_response
@@ -80,10 +82,35 @@ class AuthFirst:
         try:
             scope[AUTHENTICATED] = await authenticate(request)
         except KvgateError as exc:
+            _route_for(scope)
             return await error_response(exc)(scope, receive, send)
         except REDIS_ERRORS as exc:
+            _route_for(scope)
             return await redis_error_response(exc)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _route_for(scope) -> None:
+    """The route a refused request was for, as the router would have found it: the metrics and the
+    access log name it by its template (never by a path a client made up)."""
+    for route in _api_routes(scope["app"]):
+        if scope["method"] in route.methods and route.path_regex.match(scope["path"]):
+            scope["route"] = route
+            return
+
+
+@functools.cache
+def _api_routes(app) -> tuple[APIRoute, ...]:
+    found: list[APIRoute] = []
+
+    def walk(routes) -> None:
+        for route in routes:
+            if isinstance(route, APIRoute):
+                found.append(route)
+            elif (included := getattr(route, "original_router", None)) is not None:
+                walk(included.routes)  # FastAPI's included router: its routes carry their prefix
+    walk(app.router.routes)
+    return tuple(found)
 
 
 async def _identify(request: Request, state: GatewayState) -> KeyRecord:

@@ -65,3 +65,20 @@ def test_no_handler_reaches_into_app_state():
     readers = sorted(name for name, text in modules.items() if "app.state" in text
                      and name not in ("app.py", "deps.py", "state.py"))
     assert readers == []
+
+
+async def test_a_refusal_before_the_body_is_counted_under_its_routes_template(client):
+    """AuthFirst answers before the router runs; the metrics still name the route by its template
+    (a path a client made up would be a new series each time)."""
+    from gateway import metrics
+
+    def counted(route: str) -> float:
+        return metrics.REQUESTS.labels(route, "401", "", "")._value.get()
+
+    before = counted("/v1/batches/{batch_id}/cancel"), counted("unmatched")
+    for batch_id in ("batch_a", "batch_b"):
+        resp = await client.post(f"/v1/batches/{batch_id}/cancel")
+        assert resp.status_code == 401
+    await client.post("/made/up/path")
+    assert counted("/v1/batches/{batch_id}/cancel") == before[0] + 2
+    assert counted("unmatched") == before[1] + 1

@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,12 +22,12 @@ import psutil
 import pytest
 
 from tests.conftest import start_stack, stop_stack
+from tests.integration.test_faults import _wait
 
 BOUND = 256
 WRITE_TIMEOUT_S = 5
 READ_TIMEOUT_S = 2
 HEAD_BYTES = 8192
-ANSWER_LOGPROBS = 2000
 BIG = {"model": "demo", "prompt": "hi", "max_tokens": 1500, "n": 16, "logprobs": 20,
        "ignore_eos": True, "stream": True}
 
@@ -34,8 +38,7 @@ def stack(tiny_model_dir, tmp_path_factory):
                     extra_env={"KVGATE_MAX_UNREAD_REPLIES": str(BOUND),
                                "KVGATE_CLIENT_WRITE_TIMEOUT_S": str(WRITE_TIMEOUT_S),
                                "KVGATE_CLIENT_READ_TIMEOUT_S": str(READ_TIMEOUT_S),
-                               "KVGATE_MAX_HEAD_BYTES": str(HEAD_BYTES),
-                               "KVGATE_MAX_ANSWER_LOGPROBS": str(ANSWER_LOGPROBS)})
+                               "KVGATE_MAX_HEAD_BYTES": str(HEAD_BYTES)})
     yield s
     stop_stack(s.proc)
 
@@ -91,13 +94,14 @@ def test_a_stream_nobody_reads_ends_with_client_not_reading(stack):
 
 
 def test_a_client_that_reads_nothing_of_a_large_answer_is_let_go(stack):
-    """A non-streamed answer (~12 MB: more than the sockets' buffers hold) goes out in pieces, each
+    """A non-streamed answer (~7 MB, within KVGATE_MAX_ANSWER_LOGPROBS: more than the sockets'
+    buffers hold) goes out in pieces, each
     within the write timeout: the gateway lets a client that stalls go, resetting its connection
     (closed, it would keep the unsent bytes and the kernel's buffer while the client's window is
     shut), and logs no error for it."""
     log = stack.state / "gateway.log"
     since = len(log.read_text())
-    sock = _unread_stream(stack, {**BIG, "stream": False})
+    sock = _unread_stream(stack, {**BIG, "n": 8, "stream": False})  # 8 x 1,500 x 21 logprobs
     port = sock.getsockname()[1]
     _until_logged(log, "let go", since=since)
     gateway = psutil.Process(int((stack.state / "gateway.pid").read_text()))
@@ -315,14 +319,41 @@ def test_a_connection_may_pipeline_a_few_requests_not_thousands(stack):
     assert '"level":"ERROR"' not in gateway_log.read_text()[gateway_since:]  # the client left: no error
 
 
-def test_a_non_streamed_answer_carries_a_bounded_number_of_logprobs(stack):
+@pytest.fixture
+def small_answers(stack):
+    """A second gateway on the stack's Redis, whose answers may carry 2,000 log-probabilities (the
+    stack's own keeps the default: the large answer above must pass it)."""
+    from tests.integration.test_governance import _free_port
+
+    port = _free_port()
+    env = {**os.environ, "KVGATE_SECRET": (stack.state / "server.secret").read_text().strip(),
+           "KVGATE_API_KEY": stack.key, "KVGATE_MAX_ANSWER_LOGPROBS": "2000",
+           "PROMETHEUS_MULTIPROC_DIR": str(stack.state / "metrics-small-answers")}
+    with open(stack.state / "gateway-small-answers.log", "ab") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kvgate", "gateway", "--port", str(port),
+                                 "--redis-url", stack.redis_url], env=env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, proc)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_non_streamed_answer_carries_a_bounded_number_of_logprobs(stack, small_answers):
     """A whole answer is held in the gateway until it is done, its log-probabilities ~330 bytes each:
     past KVGATE_MAX_ANSWER_LOGPROBS (each token's and each top alternative count one) the request
     ends with 400 answer_too_large and its worker stops; within it, served whole; streamed, the
     same request has no such bound (the unread bound governs it)."""
     headers = {"Authorization": f"Bearer {stack.key}"}
     body = {"model": "demo", "prompt": "hi", "n": 2, "logprobs": 5, "ignore_eos": True}
-    within = httpx.post(f"{stack.url}/v1/completions", headers=headers, timeout=60,
+    within = httpx.post(f"{small_answers}/v1/completions", headers=headers, timeout=60,
                         json={**body, "max_tokens": 150})  # 2 x 150 x 6 = 1,800
     assert within.status_code == 200, within.text
     for choice in within.json()["choices"]:
@@ -330,13 +361,13 @@ def test_a_non_streamed_answer_carries_a_bounded_number_of_logprobs(stack):
         assert all(len(top) == 5 for top in choice["logprobs"]["top_logprobs"])
     worker_log = stack.state / "worker.log"
     since = len(worker_log.read_text())
-    beyond = httpx.post(f"{stack.url}/v1/completions", headers=headers, timeout=60,
+    beyond = httpx.post(f"{small_answers}/v1/completions", headers=headers, timeout=60,
                         json={**body, "max_tokens": 1500})  # 18,000
     assert beyond.status_code == 400, beyond.text
     error = beyond.json()["error"]
     assert error["code"] == "answer_too_large" and "KVGATE_MAX_ANSWER_LOGPROBS" in error["message"]
     _until_logged(worker_log, "on cancel", since=since, timeout=30)  # not generated to the end
-    with httpx.stream("POST", f"{stack.url}/v1/completions", headers=headers, timeout=60,
+    with httpx.stream("POST", f"{small_answers}/v1/completions", headers=headers, timeout=60,
                       json={**body, "max_tokens": 1500, "stream": True}) as streamed:
         events = [line for line in streamed.iter_lines() if line.startswith("data: {")]
     assert len(events) == 2 * 1500 and '"error"' not in events[-1]
