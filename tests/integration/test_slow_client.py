@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -338,12 +337,7 @@ def small_answers(stack):
         _wait(lambda: httpx.get(url + "/readyz", timeout=1).status_code == 200, proc)
         yield url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_stack(proc)
 
 
 def test_a_non_streamed_answer_carries_a_bounded_number_of_logprobs(stack, small_answers):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import sys
 import httpx
 
 from shared.redis_server import free_port
+from tests.conftest import stop_stack
 from tests.integration.test_faults import _wait
 
 
@@ -45,9 +45,4 @@ def test_the_gateway_takes_the_hard_limit_on_open_files_and_serves_past_the_soft
     finally:
         for sock in idle:
             sock.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_stack(proc)
