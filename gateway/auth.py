@@ -42,13 +42,18 @@ def _bootstrap(settings, token: str) -> KeyRecord | None:
     return None
 
 
-@traced("auth")
 async def authenticate(request: Request) -> KeyRecord:
     """The caller's key record, or 401 (missing, unknown, revoked or expired key); an address that
-    keeps failing gets 429 for a while (gateway/throttle.py)."""
-    if (known := request.scope.get(AUTHENTICATED)) is not None:  # AuthFirst's, before the body
+    keeps failing gets 429 for a while (gateway/throttle.py). A request AuthFirst checked before
+    its body has the record in its scope already: no second lookup, and no second "auth" span."""
+    if (known := request.scope.get(AUTHENTICATED)) is not None:
         request.state.key = known
         return known
+    return await _authenticate(request)
+
+
+@traced("auth")
+async def _authenticate(request: Request) -> KeyRecord:
     state = state_of(request)
     state.throttle.check_auth(request)
     try:
