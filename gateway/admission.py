@@ -4,7 +4,8 @@
 A generation (GENERATING: the routes that reach `open_answer`) is admitted there instead, once its
 body is parsed and routed: its minute, its slot and its tokens in one round trip (gateway/limits.py
 ADMIT), so a request costs a key lookup and one script before its XADD. Such a request refused
-before then (a bad body, an unknown model) takes nothing of its key's minute.
+before then for what it said (a bad body, a model it may not use, a prompt past the context) takes
+one request of its key's minute afterwards, as every other route's request does.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
 
 from gateway.auth import CurrentKey
 from gateway.deps import state_of
@@ -28,6 +30,8 @@ from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, StreamLease
 from gateway.timeouts import Timeouts
 from shared import names, telemetry
+from shared.errors import KvgateError, RateLimited
+from shared.redis_errors import REDIS_ERRORS
 
 log = logging.getLogger("kvgate.gateway")
 
@@ -155,8 +159,34 @@ async def admit(request: Request, key: CurrentKey) -> AsyncIterator[Lease]:
     request.state.lease = lease  # for the metrics and the access line (gateway/observe.py)
     try:
         yield lease
+    except Exception as exc:
+        if lease.deferred and _callers_fault(exc):
+            await _count_refused(limits, lease)
+        raise
     finally:
         await settle(state, lease)
+
+
+def _callers_fault(exc: Exception) -> bool:
+    """A refusal for what the request said (its body, its model, its context), not the gateway's
+    state (a 5xx) or a limit (a 429, counted by ADMIT where it was one)."""
+    if isinstance(exc, RequestValidationError):
+        return True
+    return isinstance(exc, KvgateError) and 400 <= exc.status < 500 and exc.status != 429
+
+
+async def _count_refused(limits, lease: Lease) -> None:
+    """A generation refused before its admission still takes one request of its key's minute, as
+    every other route's does: its body was parsed and checked (~30 ms of the event loop for a MiB
+    of messages), and uncounted, a key could have the gateway check invalid bodies as fast as it
+    sent them. Past the limit the key is known full (gateway/limits.py FullMinutes) and its next
+    bodies are refused unread."""
+    try:
+        await limits.admit(lease.key, count=True)
+    except RateLimited:
+        pass
+    except REDIS_ERRORS as exc:  # the refusal stands; only its count is lost
+        log.warning("could not count a refused request of key %s: %s", lease.key.id, type(exc).__name__)
 
 
 async def settle(state: GatewayState, lease: Lease) -> None:

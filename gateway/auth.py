@@ -67,6 +67,12 @@ async def _authenticate(request: Request) -> KeyRecord:
 
 AUTHENTICATED = "kvgate.key"  # the scope's key for the record AuthFirst found
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+# The routes whose POST takes one request of the key's minute (gateway/admission.py; a resume,
+# sent with Last-Event-ID, takes none): those AuthFirst refuses before the body while the key's
+# minute is known to be full. The admin API and a batch's cancel count nothing.
+COUNTED_POSTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                           "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/files",
+                           "/v1/batches"})
 
 
 class AuthFirst:
@@ -74,7 +80,8 @@ class AuthFirst:
     needs a key, and a body is the dearest thing a stranger can make the gateway parse (~10 ms of the
     event loop for a MiB of JSON, ten times that sent in one-byte chunks). Without it, an address
     past its budget of failed authentications still had each body read and parsed before its 429.
-    The record goes in the scope, where `authenticate` finds it again."""
+    The record goes in the scope, where `authenticate` finds it again. Likewise a key whose minute
+    is known to be full (gateway/limits.py FullMinutes) gets its 429 before its body is read."""
 
     def __init__(self, app):
         self.app = app
@@ -85,7 +92,9 @@ class AuthFirst:
             return await self.app(scope, receive, send)
         request = Request(scope)
         try:
-            scope[AUTHENTICATED] = await authenticate(request)
+            record = scope[AUTHENTICATED] = await authenticate(request)
+            if _counted(scope, request) and (full := state_of(request).limits.known_full(record)):
+                raise full
         except KvgateError as exc:
             _route_for(scope)
             return await error_response(exc)(scope, receive, send)
@@ -93,6 +102,11 @@ class AuthFirst:
             _route_for(scope)
             return await redis_error_response(exc)(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def _counted(scope, request: Request) -> bool:
+    return (scope["method"] == "POST" and scope["path"] in COUNTED_POSTS
+            and "last-event-id" not in request.headers)
 
 
 def _route_for(scope) -> None:

@@ -199,10 +199,43 @@ class AdmitCall:
     conclude: Callable[[list], Admission]
 
 
+class FullMinutes:
+    """The keys whose minute ADMIT last found full, each until its oldest request leaves the minute
+    (in this process's memory). Until then no replica can count a request of that key, so a request
+    of one is refused here with the same 429, before its body is read (gateway/auth.py AuthFirst):
+    a key over its RPM sending MiB bodies otherwise had each parsed and validated (~30 ms of the
+    event loop) for its 429. Kept with the limit it was full at: a key whose RPM changed is asked
+    again."""
+
+    BOUND = 65536  # keys remembered at most (a key is one entry: the keys in Redis bound it anyway)
+
+    def __init__(self):
+        self._until: dict[str, tuple[float, int]] = {}  # key id -> (monotonic end, its rpm then)
+
+    def full(self, key_id: str, rpm: int, until: float) -> None:
+        if len(self._until) >= self.BOUND and key_id not in self._until:
+            now = time.monotonic()
+            self._until = {k: v for k, v in self._until.items() if v[0] > now}
+            if len(self._until) >= self.BOUND:
+                self._until.pop(next(iter(self._until)))
+        self._until[key_id] = (until, rpm)
+
+    def wait(self, key_id: str, rpm: int) -> float | None:
+        """Seconds until the key's minute has room, while it is known full at this `rpm`."""
+        if (entry := self._until.get(key_id)) is None:
+            return None
+        left = entry[0] - time.monotonic()
+        if left <= 0 or entry[1] != rpm:
+            del self._until[key_id]
+            return None
+        return left
+
+
 class Limits:
     def __init__(self, redis: aioredis.Redis, settings: GatewaySettings):
         self.redis = redis
         self.settings = settings
+        self.full_minutes = FullMinutes()
         self._admit = redis.register_script(ADMIT)
         self._settle = redis.register_script(SETTLE_TOKENS)
         self._settle_all = redis.register_script(SETTLE)
@@ -227,6 +260,7 @@ class Limits:
         """`admit` as a script call not yet made: run it alone (`alone`), or ahead of the XADD in
         the dispatcher's round trip (one Redis; gateway/dispatch.py), then `conclude` its answer."""
         now, total_s = time.time(), total_s or self.settings.request_timeout_s
+        sent = time.monotonic()  # before the script runs: a wait counted from here ends no later
         cap = key.max_concurrent if slot_id is not None and key.max_concurrent is not None else -1
         member = slot_id or secrets.token_hex(8)
         tpm, rpm = self.tpm(key), self.rpm(key)
@@ -243,6 +277,8 @@ class Limits:
                 headers |= {"x-ratelimit-limit-requests": str(rpm),
                             "x-ratelimit-remaining-requests": str(max(0, rpm - requests)),
                             "x-ratelimit-reset-requests": duration(rpm_wait_ms / 1000)}
+            if verdict == Verdict.OVER_RPM:
+                self.full_minutes.full(key.id, rpm, sent + rpm_wait_ms / 1000)
             if verdict != Verdict.ADMITTED:
                 raise _refusal(Verdict(verdict), key, headers, now, rpm=rpm, tpm=tpm, used=used,
                                estimate=estimate, wait=rpm_wait_ms / 1000 if verdict == Verdict.OVER_RPM
@@ -252,6 +288,17 @@ class Limits:
             return Admission(cap >= 0, reservation, headers)
 
         return AdmitCall(keys, args, lambda: self._admit(keys=keys, args=args), conclude)
+
+    def known_full(self, key: KeyRecord) -> RateLimited | None:
+        """The 429 a request of `key` would get for its minute, when ADMIT said so already and the
+        minute has not moved on since (FullMinutes): asked before the body is read."""
+        rpm = self.rpm(key)
+        if (wait := self.full_minutes.wait(key.id, rpm)) is None:
+            return None
+        headers = {"x-ratelimit-limit-requests": str(rpm), "x-ratelimit-remaining-requests": "0",
+                   "x-ratelimit-reset-requests": duration(wait)}
+        return _refusal(Verdict.OVER_RPM, key, headers, time.time(), rpm=rpm, tpm=self.tpm(key),
+                        used=0, estimate=None, wait=wait)
 
     # -- one limit at a time (files, tests): each is `admit` asked for one thing ----------------
     async def count_request(self, key: KeyRecord) -> dict[str, str]:

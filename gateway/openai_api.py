@@ -376,6 +376,7 @@ async def _limits(request: Request, state: GatewayState, lease: Lease, call: Cal
                                     total_s=lease.timeouts.total_s, estimate=tokens)
 
     def conclude(answer: list) -> Admission:
+        lease.deferred = False  # its minute is ADMIT's to count now, whatever the verdict
         admission = prepared.conclude(answer)
         lease.admitted(admission)
         set_ratelimit_headers(request, admission.headers)

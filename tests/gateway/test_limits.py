@@ -3,12 +3,15 @@ gateway replicas: counts are exact because every check-and-increment is one Lua 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import redis.asyncio as aioredis
 
+from gateway.admission import GENERATING
+from gateway.auth import COUNTED_POSTS
 from gateway.keys import KeyRecord
-from gateway.limits import Limits, duration
+from gateway.limits import FullMinutes, Limits, duration
 from shared import names
 from shared.errors import RateLimited
 from shared.settings import GatewaySettings
@@ -122,3 +125,34 @@ def test_reset_durations_read_like_openais():
     assert duration(17) == "17s"
     assert duration(60) == "1m0s"
     assert duration(59.2) == "1m0s"
+
+
+async def test_a_full_minute_is_known_where_admit_said_so_until_it_moves_on(replicas):
+    key = _key(rpm=1)
+    await replicas[0].count_request(key)
+    assert replicas[0].known_full(key) is None  # full, but nobody was refused yet
+    with pytest.raises(RateLimited) as said:
+        await replicas[0].count_request(key)
+    known = replicas[0].known_full(key)
+    assert known is not None and known.message.split("again in")[0] == said.value.message.split("again in")[0]
+    assert 0 < known.retry_after <= said.value.retry_after <= 60
+    assert known.headers["x-ratelimit-remaining-requests"] == "0"
+    assert replicas[1].known_full(key) is None  # another replica asks Redis (and learns it there)
+    assert replicas[0].known_full(key.model_copy(update={"rpm": 2})) is None  # its limit changed
+    assert replicas[0].known_full(key) is None  # and the entry is gone with it
+
+
+def test_full_minutes_end_and_stay_bounded(monkeypatch):
+    minutes = FullMinutes()
+    minutes.full("a", 5, time.monotonic() - 0.01)
+    assert minutes.wait("a", 5) is None
+    minutes.full("b", 5, time.monotonic() + 30)
+    assert 29 < minutes.wait("b", 5) <= 30 and minutes.wait("b", 6) is None
+    monkeypatch.setattr(FullMinutes, "BOUND", 3)
+    for i in range(10):
+        minutes.full(f"k{i}", 5, time.monotonic() + 30)
+    assert len(minutes._until) <= 3 and minutes.wait("k9", 5) is not None
+
+
+def test_every_generation_route_is_refused_before_its_body_when_full():
+    assert GENERATING <= COUNTED_POSTS

@@ -6,6 +6,7 @@ import asyncio
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -126,6 +127,32 @@ def test_rpm_admits_exactly_the_limit_over_two_gateways(gov):
             assert int(r.headers["retry-after"]) >= 1
             err = r.json()["error"]
             assert err["type"] == "rate_limit_error" and "requests per minute" in err["message"]
+
+
+def test_refused_requests_count_and_a_full_minute_is_refused_before_the_body(gov):
+    """A generation refused for its body still takes one request of its key's minute; once a
+    gateway heard the minute is full, the key's next POST there is refused before its body comes,
+    until the minute moves on or the key's RPM changes."""
+    record, secret = gov.create_key(rpm=3)
+    url0, url1 = (u + "/v1/chat/completions" for u in gov.gateways)
+    good = {"model": "demo", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+    for _ in range(3):
+        _error(httpx.post(url0, json={**good, "temperature": -1}, headers=_auth(secret)), 422)
+    err = _error(httpx.post(url1, json=good, headers=_auth(secret)), 429)  # counted in Redis
+    assert "requests per minute" in err["message"]
+    host, port = gov.gateways[1].removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:  # the body never comes
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer "
+                     f"{secret}\r\nContent-Type: application/json\r\nContent-Length: 1000000\r\n\r\n".encode())
+        head = sock.recv(4096).decode()
+    assert head.startswith("HTTP/1.1 429") and "x-ratelimit-remaining-requests: 0" in head.lower(), head
+    with gov.admin() as admin:
+        assert admin.patch(f"/admin/keys/{record['name']}", json={"rpm": 10}).status_code == 200
+    deadline = time.monotonic() + 5  # the key's new limit reaches the gateway within a second
+    while (status := httpx.post(url1, json=good, headers=_auth(secret)).status_code) == 429:
+        assert time.monotonic() < deadline, "a raised RPM was still refused from memory"
+        time.sleep(0.1)
+    assert status == 200
 
 
 def _max_overlap(intervals: list[tuple[float, float]]) -> int:
