@@ -177,7 +177,7 @@ class ProtocolError(ValueError):
 
 def encode(msg: BaseModel, version: int | None = None) -> bytes:
     """`msg` in schema `version` (default: the version it carries, the newest for a new message)."""
-    data = msg.model_dump(exclude_none=True)
+    data = _dumped(msg)
     version = data["v"] if version is None else version
     if not OLDEST_SCHEMA <= version <= SCHEMA_VERSION:
         raise ProtocolError(f"cannot write schema version {version}")
@@ -186,6 +186,15 @@ def encode(msg: BaseModel, version: int | None = None) -> bytes:
             data.pop(name, None)
     data["v"] = version
     return orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS)  # logit_bias is keyed by token id
+
+
+def _dumped(msg: BaseModel) -> dict:
+    """`msg.model_dump(exclude_none=True)`, without the deep copy where every field is JSON as it
+    stands: a Delta's (its logprobs are lists of plain dicts; copying a 1,500-token prompt's scores
+    held the worker's serving loop 27 ms)."""
+    if isinstance(msg, Delta):
+        return {name: value for name, value in msg if value is not None}
+    return msg.model_dump(exclude_none=True)
 
 
 def peer_version(advertised: int | None) -> int:

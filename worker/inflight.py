@@ -193,9 +193,12 @@ class InFlight:
 
     def _wire_logprob(self, lp) -> dict:
         of = self._token_text.of
-        return {"token_id": lp.token_id, "token": of(lp.token_id)[0], "logprob": lp.logprob,
-                "bytes": of(lp.token_id)[1], "top": [[of(t)[0], v] for t, v in lp.top],
-                "top_ids": [t for t, _ in lp.top], "top_bytes": [of(t)[1] for t, _ in lp.top]}
+        text, raw = of(lp.token_id)
+        ids, values = zip(*lp.top) if lp.top else ((), ())
+        tops = list(map(of, ids))  # each top token looked up once (a prompt's scores: 20 each)
+        return {"token_id": lp.token_id, "token": text, "logprob": lp.logprob, "bytes": raw,
+                "top": [[top[0], v] for top, v in zip(tops, values)], "top_ids": list(ids),
+                "top_bytes": [top[1] for top in tops]}
 
     def _done(self, request_id: str) -> None:
         act = self._pop(request_id)
