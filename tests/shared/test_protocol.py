@@ -108,3 +108,15 @@ def test_the_key_weight_travels_and_an_older_peer_is_not_sent_it():
     assert protocol.decode_entry(protocol.encode(entry, version=4)).weight == 1.0  # the default
     with pytest.raises(ValueError):
         _entry(weight=0)
+
+
+def test_a_delta_is_written_as_its_model_dump_would_write_it():
+    """A Delta skips pydantic's deep copy (protocol._dumped): the bytes are the same, unset fields
+    left out and a None inside a logprob entry kept."""
+    scores = [{"token_id": 1, "token": "a", "bytes": [97], "logprob": None},
+              {"token_id": 2, "token": "b", "bytes": [98], "logprob": -0.5, "rank": 1,
+               "top": [["b", -0.5]], "top_ids": [2], "top_bytes": [[98]]}]
+    delta = protocol.Delta(request_id="r", seq=1, text="b", token_ids=[2], prompt_logprobs=scores)
+    assert orjson.loads(protocol.encode(delta)) == delta.model_dump(exclude_none=True)
+    assert "reasoning" not in orjson.loads(protocol.encode(delta))
+    assert protocol.decode_reply(protocol.encode(delta, version=3)).prompt_logprobs is None  # v4's field
