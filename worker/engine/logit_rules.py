@@ -7,18 +7,32 @@ import torch
 
 
 def apply_logit_bias(logits: torch.Tensor, rows) -> torch.Tensor:
-    """OpenAI's logit_bias: the bias added to the given ids' logits, one scatter for the batch."""
-    r_idx, t_idx, values = [], [], []
-    for r, row in enumerate(rows):
-        for token, bias in (row.params.logit_bias or {}).items():
-            r_idx.append(r)
-            t_idx.append(int(token))
-            values.append(float(bias))
-    if r_idx:
+    """OpenAI's logit_bias: the bias added to the given ids' logits, one scatter for the batch. Each
+    request's ids and biases become tensors once (_bias_of), not entry by entry every step (16
+    choices of 300 biases were ~2.5 ms of Python a step)."""
+    parts = [(r, _bias_of(row.params)) for r, row in enumerate(rows) if row.params.logit_bias]
+    if parts:
         dev = logits.device
-        logits.index_put_((torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)),
-                          torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+        rows_idx = torch.cat([torch.full((len(ids),), r, dtype=torch.long) for r, (ids, _) in parts])
+        ids = torch.cat([ids for _, (ids, _) in parts])
+        values = torch.cat([values for _, (_, values) in parts])
+        logits.index_put_((rows_idx.to(dev), ids.to(dev)), values.to(dev, logits.dtype), accumulate=True)
     return logits
+
+
+_BIASES: dict[int, tuple] = {}  # id(params) -> (params, ids, values): the params held, so the id stays theirs
+_BIASES_KEPT = 4096
+
+
+def _bias_of(params) -> tuple[torch.Tensor, torch.Tensor]:
+    found = _BIASES.get(id(params))
+    if found is None or found[0] is not params:
+        if len(_BIASES) >= _BIASES_KEPT:
+            _BIASES.clear()
+        bias = params.logit_bias
+        found = _BIASES[id(params)] = (params, torch.tensor([int(t) for t in bias], dtype=torch.long),
+                                       torch.tensor([float(v) for v in bias.values()], dtype=torch.float32))
+    return found[1], found[2]
 
 
 class GrammarMasks:
