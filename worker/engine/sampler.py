@@ -184,34 +184,60 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (HF, over prompt + output), then frequency and presence (OpenAI, over output)."""
+    """Repetition (HF, over prompt + output), then frequency and presence (OpenAI, over output).
+
+    Applied where the ids are, as transformers' processors do (gather, edit, scatter back), not
+    over every row's whole vocabulary: torch.where over [rows, vocab] ran ~1 ms a pass on the CPU,
+    and the ids became a tensor in one call each (a prompt's once), never id by id in Python; 16
+    rows of 2,500 tokens were ~13 ms of every step. Same arithmetic on the same values, so the same
+    logits: an id listed twice is edited from the same original value twice and written twice."""
     rep = [row.params.repetition_penalty for row in rows]
-    if any(p != 1.0 for p in rep):
-        ids = [row.prompt_ids + row.output_ids if p != 1.0 else [] for row, p in zip(rows, rep)]
-        seen = _token_counts(ids, logits) > 0
-        penalty = torch.tensor(rep, device=logits.device).unsqueeze(1)
-        penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
-        logits = torch.where(seen, penalised, logits)
     freq = [row.params.frequency_penalty for row in rows]
     pres = [row.params.presence_penalty for row in rows]
+    use_rep = any(p != 1.0 for p in rep)
+    if not use_rep and not any(freq) and not any(pres):
+        return logits
+    logits = logits.clone()
+    dev = logits.device
+    if use_rep:
+        r, c = _positions([(row.prompt_ids, row.output_ids) if p != 1.0 else () for row, p in zip(rows, rep)], dev)
+        if r.numel():
+            penalty = torch.tensor(rep, device=dev, dtype=logits.dtype)[r]
+            picked = logits[r, c]
+            logits[r, c] = torch.where(picked > 0, picked / penalty, picked * penalty)
     if any(freq) or any(pres):
-        counts = _token_counts(
-            [row.output_ids if f or p else [] for row, f, p in zip(rows, freq, pres)], logits
-        )
-        logits = logits - torch.tensor(freq, device=logits.device).unsqueeze(1) * counts
-        logits = logits - torch.tensor(pres, device=logits.device).unsqueeze(1) * (counts > 0)
+        r, c = _positions([(row.output_ids,) if f or p else () for row, f, p in zip(rows, freq, pres)], dev)
+        if r.numel():
+            counts = torch.zeros_like(logits)
+            counts.index_put_((r, c), torch.ones(r.numel(), device=dev, dtype=logits.dtype), accumulate=True)
+            n = counts[r, c]
+            picked = logits[r, c] - torch.tensor(freq, device=dev, dtype=logits.dtype)[r] * n
+            logits[r, c] = picked - torch.tensor(pres, device=dev, dtype=logits.dtype)[r] * (n > 0)
     return logits
 
 
-def _token_counts(id_lists: list[list[int]], logits: torch.Tensor) -> torch.Tensor:
-    """[B, V] occurrence counts of each row's ids."""
-    counts = torch.zeros_like(logits)
-    rows = torch.cat([torch.full((len(ids),), r) for r, ids in enumerate(id_lists)]).long()
-    cols = torch.tensor([t for ids in id_lists for t in ids], dtype=torch.long)
-    if cols.numel():
-        ones = torch.ones(cols.numel(), device=logits.device)
-        counts.index_put_((rows.to(logits.device), cols.to(logits.device)), ones, accumulate=True)
-    return counts
+def _positions(id_lists: list[tuple[list[int], ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, ids) of every id each row lists (its lists together, repeats kept)."""
+    parts = [(r, _prompt_tensor(ids) if k == 0 and len(lists) == 2 else torch.tensor(ids, dtype=torch.long))
+             for r, lists in enumerate(id_lists) for k, ids in enumerate(lists) if ids]
+    if not parts:
+        empty = torch.empty(0, dtype=torch.long, device=device)
+        return empty, empty
+    rows = torch.cat([torch.full((t.numel(),), r, dtype=torch.long) for r, t in parts])
+    return rows.to(device), torch.cat([t for _, t in parts]).to(device)
+
+
+_PROMPTS: dict[int, tuple] = {}  # id(prompt ids) -> (the list, its tensor): the list held, so the id stays its
+_PROMPTS_KEPT = 1024
+
+
+def _prompt_tensor(ids: list[int]) -> torch.Tensor:
+    found = _PROMPTS.get(id(ids))
+    if found is None or found[0] is not ids or found[1].numel() != len(ids):
+        if len(_PROMPTS) >= _PROMPTS_KEPT:
+            _PROMPTS.clear()
+        found = _PROMPTS[id(ids)] = (ids, torch.tensor(ids, dtype=torch.long))
+    return found[1]
 
 
 def _plain_greedy(row: SampleRow) -> bool:

@@ -84,6 +84,43 @@ def test_penalties_apply_only_to_their_row():
     assert apply_penalties(logits, rows).tolist() == [[0.0, 1, 1, 1], [1.0, 1, 1, 1]]
 
 
+def _dense_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The penalties as the definition reads, over every row's whole vocabulary, id by id."""
+    def counts_of(id_lists):
+        counts = torch.zeros_like(logits)
+        for r, ids in enumerate(id_lists):
+            for t in ids:
+                counts[r, t] += 1
+        return counts
+    rep = [r.params.repetition_penalty for r in rows]
+    if any(p != 1.0 for p in rep):
+        seen = counts_of([r.prompt_ids + r.output_ids if p != 1.0 else [] for r, p in zip(rows, rep)]) > 0
+        penalty = torch.tensor(rep).unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    freq, pres = [r.params.frequency_penalty for r in rows], [r.params.presence_penalty for r in rows]
+    if any(freq) or any(pres):
+        counts = counts_of([r.output_ids if f or p else [] for r, f, p in zip(rows, freq, pres)])
+        logits = logits - torch.tensor(freq).unsqueeze(1) * counts
+        logits = logits - torch.tensor(pres).unsqueeze(1) * (counts > 0)
+    return logits
+
+
+def test_penalties_where_the_ids_are_equal_the_dense_definition_bit_for_bit():
+    """apply_penalties edits only the listed ids (gather, edit, scatter): the same logits as the
+    definition computed over the whole vocabulary, repeats and unpenalised rows included."""
+    import random
+
+    rng = random.Random(0)
+    for case in range(200):
+        rows = [row(prompt=[rng.randrange(V) for _ in range(rng.randint(0, 12))],
+                    output=[rng.randrange(V) for _ in range(rng.randint(0, 12))],
+                    repetition_penalty=rng.choice([1.0, 1.3, 0.7]),
+                    frequency_penalty=rng.choice([0.0, 0.5, -1.2]),
+                    presence_penalty=rng.choice([0.0, 0.25, 1.5])) for _ in range(rng.randint(1, 5))]
+        logits = random_logits(len(rows), seed=case)
+        assert torch.equal(apply_penalties(logits.clone(), rows), _dense_penalties(logits, rows)), case
+
+
 def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
     logits = torch.zeros(1, V)
     logits[0, EOS] = 50.0
