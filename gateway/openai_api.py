@@ -492,6 +492,11 @@ class _Shape:
             out["usage"] = usage
         return out
 
+    def entry(self, e: dict) -> dict | tuple:
+        """One token's log-probabilities from the wire, made into this answer's shape as it comes
+        (a whole answer's 168,000 entries made at its end held the event loop ~0.1 s in one go)."""
+        return _chat_entry(e) if self.kind == "chat" else _text_entry(e)
+
     def delta_choice(self, d: protocol.Delta) -> dict | None:
         """The chunk's choice for this delta; None when it has nothing to say yet (text a tool-call
         parser holds back until it knows whether it is a call)."""
@@ -519,6 +524,7 @@ class _Shape:
 
     def final(self, texts: dict, reasons: dict, logprobs: dict, usage: dict,
               reasoning: dict | None = None) -> dict:
+        """The whole answer; `logprobs`: each choice's entries as `entry` made them."""
         choices = []
         for i in range(self.n):
             lps = logprobs.get(i)
@@ -527,7 +533,8 @@ class _Shape:
                 message = out.message(texts.get(i, ""))
                 if (reasoning or {}).get(i):
                     message["reasoning_content"] = reasoning[i]
-                choices.append({"index": i, "message": message, "logprobs": _chat_logprobs(lps),
+                choices.append({"index": i, "message": message,
+                                "logprobs": None if lps is None else {"content": lps},
                                 "finish_reason": out.finish_reason(reasons.get(i))})
             else:
                 choices.append(self._text_choice(i, texts.get(i, ""), lps, reasons.get(i)))
@@ -535,11 +542,13 @@ class _Shape:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": choices, "usage": usage}
 
-    def _text_choice(self, i: int, text: str, lps: list | None, reason: str | None) -> dict:
+    def _text_choice(self, i: int, text: str, entries: list | None, reason: str | None) -> dict:
         """A whole completion choice: the echoed prompt (and its logprobs) first."""
         echo = self.echo
-        choice = {"index": i, "text": (echo.text or "") + text, "logprobs": _text_logprobs(echo.logprobs(lps)),
-                  "finish_reason": reason}
+        if echo.with_logprobs and echo.scores is not None:
+            entries = [_text_entry(e) for e in echo.scores] + (entries or [])
+        choice = {"index": i, "text": (echo.text or "") + text,
+                  "logprobs": None if entries is None else _text_shape(entries), "finish_reason": reason}
         if echo.vllm_field:
             choice["prompt_logprobs"] = echo.vllm(echo.scores)
         return choice
@@ -551,26 +560,33 @@ def _usage(done: protocol.Done) -> dict:
 
 
 def _chat_logprobs(lps: list[dict] | None) -> dict | None:
-    """OpenAI's chat shape: every top entry in rank order, each with its token's real bytes (sent
-    by the worker; a worker of the previous release sent none: its text's bytes then)."""
-    if lps is None:
-        return None
-    def item(tok: str, lp: float, raw: list[int] | None) -> dict:
-        return {"token": tok, "logprob": lp, "bytes": list(tok.encode()) if raw is None else raw}
+    return None if lps is None else {"content": [_chat_entry(e) for e in lps]}
 
-    def tops(e: dict) -> list[dict]:
-        raws = e.get("top_bytes") or [None] * len(e["top"])
-        return [item(t, v, raw) for (t, v), raw in zip(e["top"], raws)]
-    return {"content": [{**item(e["token"], e["logprob"], e.get("bytes")), "top_logprobs": tops(e)}
-                        for e in lps]}
+
+def _chat_item(tok: str, lp: float, raw: list[int] | None) -> dict:
+    return {"token": tok, "logprob": lp, "bytes": list(tok.encode()) if raw is None else raw}
+
+
+def _chat_entry(e: dict) -> dict:
+    """One token in OpenAI's chat shape: every top entry in rank order, each with its token's real
+    bytes (sent by the worker; a worker of the previous release sent none: its text's bytes then)."""
+    raws = e.get("top_bytes") or [None] * len(e["top"])
+    return {**_chat_item(e["token"], e["logprob"], e.get("bytes")),
+            "top_logprobs": [_chat_item(t, v, raw) for (t, v), raw in zip(e["top"], raws)]}
 
 
 def _text_logprobs(lps: list[dict] | None) -> dict | None:
-    if lps is None:
-        return None
+    return None if lps is None else _text_shape([_text_entry(e) for e in lps])
+
+
+def _text_entry(e: dict) -> tuple:
     # an echoed prompt's first token has no entry: null logprob and top, OpenAI's legacy shape
-    return {"tokens": [e["token"] for e in lps], "token_logprobs": [e["logprob"] for e in lps],
-            "top_logprobs": [None if e["logprob"] is None else _text_top(e) for e in lps]}
+    return e["token"], e["logprob"], None if e["logprob"] is None else _text_top(e)
+
+
+def _text_shape(entries: list[tuple]) -> dict:
+    return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+            "top_logprobs": [e[2] for e in entries]}
 
 
 def _text_top(e: dict) -> dict[str, float]:
@@ -607,7 +623,7 @@ async def _collect(replies: AsyncIterator, shape: _Shape, max_logprobs: int) -> 
                         "each of its top alternatives count one; KVGATE_MAX_ANSWER_LOGPROBS): send "
                         "it with stream: true, or ask for fewer tokens, choices or top_logprobs",
                         code="answer_too_large")
-                logprobs.setdefault(reply.index, []).extend(reply.logprobs)
+                logprobs.setdefault(reply.index, []).extend(map(shape.entry, reply.logprobs))
             if reply.prompt_logprobs is not None:
                 shape.echo.scores = reply.prompt_logprobs
             if reply.finish_reason:
