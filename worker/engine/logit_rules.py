@@ -3,6 +3,8 @@ leaving the other rows' logits untouched (so a free row samples exactly as in a 
 constrained ones): logit_bias, then the grammar's token bitmask."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 
@@ -20,19 +22,33 @@ def apply_logit_bias(logits: torch.Tensor, rows) -> torch.Tensor:
     return logits
 
 
-_BIASES: dict[int, tuple] = {}  # id(params) -> (params, ids, values): the params held, so the id stays theirs
-_BIASES_KEPT = 4096
+class HeldTensors:
+    """Tensors made once per object (a request's params, a prompt's ids) and found again by the
+    object's identity, the object held so that its id stays its own; `fresh` says whether what was
+    made still fits the object. Past `budget` elements held, all are let go."""
+
+    def __init__(self, make: Callable, budget: int, fresh: Callable | None = None):
+        self._make, self._budget, self._fresh = make, budget, fresh
+        self._held: dict[int, tuple] = {}
+        self._size = 0
+
+    def __call__(self, obj):
+        found = self._held.get(id(obj))
+        if found is None or found[0] is not obj or (self._fresh and not self._fresh(obj, found[1])):
+            made = self._make(obj)
+            size = sum(t.numel() for t in made)
+            if self._size + size > self._budget:
+                self._held.clear()
+                self._size = 0
+            found = self._held[id(obj)] = (obj, made)
+            self._size += size
+        return found[1]
 
 
-def _bias_of(params) -> tuple[torch.Tensor, torch.Tensor]:
-    found = _BIASES.get(id(params))
-    if found is None or found[0] is not params:
-        if len(_BIASES) >= _BIASES_KEPT:
-            _BIASES.clear()
-        bias = params.logit_bias
-        found = _BIASES[id(params)] = (params, torch.tensor([int(t) for t in bias], dtype=torch.long),
-                                       torch.tensor([float(v) for v in bias.values()], dtype=torch.float32))
-    return found[1], found[2]
+# a request's logit_bias as (ids, biases); ~300k biases held at most (~25 MB with their params)
+_bias_of = HeldTensors(lambda params: (
+    torch.tensor([int(t) for t in params.logit_bias], dtype=torch.long),
+    torch.tensor([float(v) for v in params.logit_bias.values()], dtype=torch.float32)), 300 * 1024)
 
 
 class GrammarMasks:

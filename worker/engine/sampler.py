@@ -17,7 +17,7 @@ import torch
 
 from worker.engine.constraint import Constraint
 from worker.engine.cpu_native import CpuKernels
-from worker.engine.logit_rules import GrammarMasks, apply_logit_bias
+from worker.engine.logit_rules import GrammarMasks, HeldTensors, apply_logit_bias
 from worker.engine.shortlist import shortlist, take_rows
 from worker.engine.types import SamplingParams, TokenLogprob
 
@@ -218,7 +218,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 def _positions(id_lists: list[tuple[list[int], ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, ids) of every id each row lists (its lists together, repeats kept)."""
-    parts = [(r, _prompt_tensor(ids) if k == 0 and len(lists) == 2 else torch.tensor(ids, dtype=torch.long))
+    parts = [(r, _prompt_tensor(ids)[0] if k == 0 and len(lists) == 2 else torch.tensor(ids, dtype=torch.long))
              for r, lists in enumerate(id_lists) for k, ids in enumerate(lists) if ids]
     if not parts:
         empty = torch.empty(0, dtype=torch.long, device=device)
@@ -227,17 +227,10 @@ def _positions(id_lists: list[tuple[list[int], ...]], device: torch.device) -> t
     return rows.to(device), torch.cat([t for _, t in parts]).to(device)
 
 
-_PROMPTS: dict[int, tuple] = {}  # id(prompt ids) -> (the list, its tensor): the list held, so the id stays its
-_PROMPTS_KEPT = 1024
-
-
-def _prompt_tensor(ids: list[int]) -> torch.Tensor:
-    found = _PROMPTS.get(id(ids))
-    if found is None or found[0] is not ids or found[1].numel() != len(ids):
-        if len(_PROMPTS) >= _PROMPTS_KEPT:
-            _PROMPTS.clear()
-        found = _PROMPTS[id(ids)] = (ids, torch.tensor(ids, dtype=torch.long))
-    return found[1]
+# a prompt's ids as a tensor, made once (its list may grow when a sequence is resumed: made again);
+# ~1M ids held at most (~45 MB with their lists)
+_prompt_tensor = HeldTensors(lambda ids: (torch.tensor(ids, dtype=torch.long),), 1 << 20,
+                             fresh=lambda ids, made: made[0].numel() == len(ids))
 
 
 def _plain_greedy(row: SampleRow) -> bool:

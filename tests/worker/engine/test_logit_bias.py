@@ -57,3 +57,21 @@ def test_out_of_range_ids_and_values_are_refused(engine, bias, words):
     with pytest.raises(EngineRejected, match=words) as caught:
         engine.add_request("bad", PROMPT, SamplingParams(logit_bias=bias))
     assert caught.value.param == "logit_bias" and "bad" not in engine.requests
+
+
+def test_held_tensors_are_made_once_per_object_and_let_go_past_their_budget():
+    from worker.engine.logit_rules import HeldTensors
+
+    made = []
+
+    def make(ids):
+        made.append(list(ids))
+        return (torch.tensor(ids),)
+
+    held = HeldTensors(make, budget=5, fresh=lambda ids, t: t[0].numel() == len(ids))
+    a, b = [1, 2], [3, 4]
+    assert held(a)[0].tolist() == [1, 2] and held(a)[0].tolist() == [1, 2] and made == [[1, 2]]
+    a.append(9)  # grown (a resumed sequence's prompt): made again
+    assert held(a)[0].tolist() == [1, 2, 9] and len(made) == 2
+    held(b)  # 3 + 2 + 2 elements would pass 5: the first ones are let go
+    assert held._size <= 5 and held(b)[0].tolist() == [3, 4] and len(made) == 3
