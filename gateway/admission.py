@@ -24,7 +24,7 @@ from gateway import holdings, timeouts
 from gateway.dispatch import Handle
 from gateway.holdings import Holdings
 from gateway.keys import KeyRecord
-from gateway.limits import Admission, Reservation
+from gateway.limits import Admission, Limits, Reservation
 from gateway.routing import Outcome
 from gateway.state import GatewayState
 from gateway.stream_leases import ABANDONED, StreamLease
@@ -175,7 +175,7 @@ def _callers_fault(exc: Exception) -> bool:
     return isinstance(exc, KvgateError) and 400 <= exc.status < 500 and exc.status != 429
 
 
-async def _count_refused(limits, lease: Lease) -> None:
+async def _count_refused(limits: Limits, lease: Lease) -> None:
     """A generation refused before its admission still takes one request of its key's minute, as
     every other route's does: its body was parsed and checked (~30 ms of the event loop for a MiB
     of messages), and uncounted, a key could have the gateway check invalid bodies as fast as it

@@ -8,7 +8,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -449,11 +449,12 @@ class _Echo:
         self.echoed.add(index)
         return self.text + text
 
-    def logprobs(self, lps: list[dict] | None) -> list[dict] | None:
-        """The prompt's entries (the first has no logprob: nothing predicts it) before `lps`."""
+    def logprobs(self, lps: list | None, made: Callable[[dict], Any] | None = None) -> list | None:
+        """The prompt's entries (the first has no logprob: nothing predicts it) before `lps`; each
+        `made` into the shape `lps` already has, when given."""
         if not self.with_logprobs or self.scores is None:
             return lps
-        return self.scores + (lps or [])
+        return (self.scores if made is None else [made(e) for e in self.scores]) + (lps or [])
 
     def vllm(self, scores: list[dict] | None) -> list | None:
         """vLLM's shape: per prompt token None or {token id: {logprob, rank, decoded_token}} for
@@ -545,8 +546,7 @@ class _Shape:
     def _text_choice(self, i: int, text: str, entries: list | None, reason: str | None) -> dict:
         """A whole completion choice: the echoed prompt (and its logprobs) first."""
         echo = self.echo
-        if echo.with_logprobs and echo.scores is not None:
-            entries = [_text_entry(e) for e in echo.scores] + (entries or [])
+        entries = echo.logprobs(entries, _text_entry)
         choice = {"index": i, "text": (echo.text or "") + text,
                   "logprobs": None if entries is None else _text_shape(entries), "finish_reason": reason}
         if echo.vllm_field:

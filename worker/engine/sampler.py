@@ -200,13 +200,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     logits = logits.clone()
     dev = logits.device
     if use_rep:
-        r, c = _positions([(row.prompt_ids, row.output_ids) if p != 1.0 else () for row, p in zip(rows, rep)], dev)
+        r, c = _positions([(row.prompt_ids, row.output_ids) if p != 1.0 else None for row, p in zip(rows, rep)], dev)
         if r.numel():
             penalty = torch.tensor(rep, device=dev, dtype=logits.dtype)[r]
             picked = logits[r, c]
             logits[r, c] = torch.where(picked > 0, picked / penalty, picked * penalty)
     if any(freq) or any(pres):
-        r, c = _positions([(row.output_ids,) if f or p else () for row, f, p in zip(rows, freq, pres)], dev)
+        r, c = _positions([((), row.output_ids) if f or p else None for row, f, p in zip(rows, freq, pres)], dev)
         if r.numel():
             counts = torch.zeros_like(logits)
             counts.index_put_((r, c), torch.ones(r.numel(), device=dev, dtype=logits.dtype), accumulate=True)
@@ -216,10 +216,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
-def _positions(id_lists: list[tuple[list[int], ...]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, ids) of every id each row lists (its lists together, repeats kept)."""
-    parts = [(r, _prompt_tensor(ids)[0] if k == 0 and len(lists) == 2 else torch.tensor(ids, dtype=torch.long))
-             for r, lists in enumerate(id_lists) for k, ids in enumerate(lists) if ids]
+def _positions(rows_ids: list[tuple[list[int], list[int]] | None],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, ids) of every id of each row's (prompt ids, output ids), repeats kept; None: none of
+    that row's. A prompt's tensor is made once (_prompt_tensor)."""
+    parts = []
+    for r, ids in enumerate(rows_ids):
+        if ids is None:
+            continue
+        prompt, output = ids
+        if prompt:
+            parts.append((r, _prompt_tensor(prompt)[0]))
+        if output:
+            parts.append((r, torch.tensor(output, dtype=torch.long)))
     if not parts:
         empty = torch.empty(0, dtype=torch.long, device=device)
         return empty, empty
