@@ -34,9 +34,18 @@ def _busy_children(checker: Checker) -> list[psutil.Process]:
     """The checker's children that are using the CPU (the one forked ahead waits, idle)."""
     children = psutil.Process(checker._process.pid).children()
     for child in children:
-        child.cpu_percent()
+        _cpu_percent(child)
     time.sleep(0.3)
-    return [c for c in children if c.is_running() and c.cpu_percent() > 20]
+    return [c for c in children if _cpu_percent(c) > 20]
+
+
+def _cpu_percent(process: psutil.Process) -> float:
+    """Its CPU use since the last call; 0 once it has exited (a killed child may go between the
+    listing and the reading: CI saw NoSuchProcess there)."""
+    try:
+        return process.cpu_percent()
+    except psutil.NoSuchProcess:
+        return 0.0
 
 
 @contextlib.asynccontextmanager
