@@ -187,7 +187,7 @@ def workload_1(model_dir: Path, sizes: Sizes) -> dict:
     cfg = read_model_config(model_dir)
     reqs = w1_requests(sizes, cfg.vocab_size)
     peak = mm_peak()
-    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    max_len = min(MAX_LEN, cfg.max_context)
     blocks = max(sum(cdiv(len(p) + n, 16) for p, n in reqs), cdiv(max_len, 16))
     engine = LLMEngine.from_model_dir(model_dir, num_blocks=blocks, block_size=16, max_model_len=max_len,
                                       max_num_seqs=256, max_num_batched_tokens=STEP_BUDGET)
@@ -239,7 +239,7 @@ def workload_2(model_dir: Path, sizes: Sizes) -> dict:
     rng, cfg = random.Random(2), read_model_config(model_dir)
     prefix = [rng.randrange(100, cfg.vocab_size) for _ in range(sizes.w2_prefix)]
     prompts = [prefix + [rng.randrange(100, cfg.vocab_size) for _ in range(32)] for _ in range(sizes.w2_requests)]
-    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    max_len = min(MAX_LEN, cfg.max_context)
     blocks = max(4 * cdiv(len(prompts[0]) + sizes.w2_output, 16), cdiv(max_len, 16))
     out = {}
     for caching in (True, False):
@@ -271,7 +271,7 @@ def workload_3(model_dir: Path, sizes: Sizes) -> dict:
     """A pool of w3_reserved_seqs sequences of max_len tokens: how many run at once when blocks
     are allocated as sequences grow, against that many when each reserves its whole context."""
     cfg = read_model_config(model_dir)
-    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    max_len = min(MAX_LEN, cfg.max_context)
     blocks = sizes.w3_reserved_seqs * cdiv(max_len, 16)
     engine = LLMEngine.from_model_dir(model_dir, num_blocks=blocks, block_size=16, max_model_len=max_len,
                                       max_num_seqs=256, max_num_batched_tokens=STEP_BUDGET)
@@ -297,7 +297,7 @@ def workload_tp(model_dir: Path, sizes: Sizes, size: int, reps: int = 3) -> dict
     on the host then hits both alike."""
     cfg = read_model_config(model_dir)
     reqs = w1_requests(sizes, cfg.vocab_size)
-    max_len = min(MAX_LEN, cfg.max_position_embeddings)
+    max_len = min(MAX_LEN, cfg.max_context)
     blocks = max(sum(cdiv(len(p) + n, 16) for p, n in reqs), cdiv(max_len, 16))
     threads = torch.get_num_threads()
     engines = {n: LLMEngine.from_model_dir(model_dir, num_blocks=blocks, block_size=16, max_model_len=max_len,

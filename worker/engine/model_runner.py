@@ -35,6 +35,22 @@ from worker.models.parallel import SINGLE, check_shardable
 log = logging.getLogger("kvgate.worker")
 
 
+def served_context(requested: int | None, cfg: ModelConfig) -> int:
+    """The model's context, or the lowest cap on it (worker/models/config.py: a sliding window,
+    LongRoPE's original context), said in a warning: past the cap the outputs would not be the
+    model's. An explicit --max-model-len past it is a start-up error."""
+    caps = cfg.context_caps()
+    if not caps:
+        return cfg.max_position_embeddings
+    cap, why = min(caps)
+    if requested is not None and requested > cap:
+        raise ValueError(f"--max-model-len {requested} is past this model's {why}, {cap} tokens: kvgate "
+                         f"serves the model exactly up to there; lower --max-model-len to at most {cap}")
+    log.warning("max_model_len capped at the model's %s, %d tokens (its context is %d): kvgate serves "
+                "the model exactly up to there", why, cap, cfg.max_position_embeddings)
+    return cap
+
+
 @dataclass
 class BatchInputs:
     """One step's plan; built on the CPU, moved to the device by each rank."""
@@ -196,22 +212,23 @@ class ModelRunner:
 
     def _size_kv_cache(self, config: EngineConfig, cfg: ModelConfig) -> KVCacheFacts:
         """Blocks from the budget (the weights are loaded by now), then the context they hold."""
-        block_bytes = self._block_bytes(cfg)
-        num_blocks, knob, source = self._pool_blocks(config, cfg, block_bytes)
+        block_bytes, model_max = self._block_bytes(cfg), served_context(config.max_model_len, cfg)
+        num_blocks, knob, source = self._pool_blocks(config, cfg, block_bytes, model_max)
         if self.group is not None:  # one block table for all ranks: the fewest any rank affords
             num_blocks = self.group.min_over_ranks(num_blocks)
-        wanted = config.max_model_len or cfg.max_position_embeddings
+        wanted = config.max_model_len or model_max
         if num_blocks < 1:
             need = cdiv(wanted, self.block_size)
             raise KVCacheTooSmall(f"the KV budget ({source}) leaves no room for a single block of "
                                   f"{self.block_size} tokens ({block_bytes} bytes): "
                                   + GROW[knob].format(bytes=need * block_bytes, blocks=need))
-        max_len = fit_max_model_len(config.max_model_len, cfg.max_position_embeddings, num_blocks,
+        max_len = fit_max_model_len(config.max_model_len, model_max, num_blocks,
                                     self.block_size, block_bytes, knob)
         return KVCacheFacts(num_blocks, self.block_size, block_bytes, max_len, _dtype_name(self.dtype),
                             source)
 
-    def _pool_blocks(self, config: EngineConfig, cfg: ModelConfig, block_bytes: int) -> tuple[int, str, str]:
+    def _pool_blocks(self, config: EngineConfig, cfg: ModelConfig, block_bytes: int,
+                     model_max: int) -> tuple[int, str, str]:
         """(blocks, the setting that sized them, how in words): num_blocks (tests), the GPU share,
         --kv-cache-memory, or the CPU budget measured now."""
         if config.num_blocks:
@@ -223,7 +240,7 @@ class ModelRunner:
         if config.kv_cache_memory is not None:
             return config.kv_cache_memory // ranks // block_bytes, "kv_cache_memory", "--kv-cache-memory"
         budget, source = cpu_budget(block_bytes, self.block_size, config.max_num_seqs,
-                                    config.max_model_len or cfg.max_position_embeddings)
+                                    config.max_model_len or model_max)
         return budget // ranks // block_bytes, "kv_cache_memory", source
 
     def _gpu_blocks(self, config: EngineConfig, cfg: ModelConfig, block_bytes: int) -> int:

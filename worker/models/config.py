@@ -1,17 +1,29 @@
 """A local Hugging Face folder's config.json, read into the one shape the model code uses (old and
-new spellings alike)."""
+new spellings alike).
+
+Mistral is Llama's module with a sliding attention window; Phi-3 is Llama's with q/k/v and gate/up
+stored fused in the checkpoint (worker/models/loader.py reads its parts from there). Two things cap
+the context served below the model's (`ModelConfig.context_caps`), each where the model computes
+exactly what kvgate computes and no further: a sliding window (within it every key is attended: the
+full attention), and LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original
+context and whose long ones, past it, would change every position's rotation at once — which
+neither a paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary
+embeddings, an activation other than SiLU) is refused here, by name."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
 
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | qwen2 | qwen3
+    arch: str  # llama | mistral | phi3 | qwen2 | qwen3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -21,8 +33,9 @@ class ModelConfig:
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None  # None for plain RoPE, else has "rope_type" (llama3, linear)
+    rope_scaling: dict | None  # None for plain RoPE, else has "rope_type" (one of ROPE_TYPES)
     max_position_embeddings: int
+    sliding_window: int | None  # the attention window of (some of) its layers; None: full attention
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -30,13 +43,30 @@ class ModelConfig:
     qk_norm: bool
     dtype: str | None  # as the checkpoint was saved
 
+    @property
+    def max_context(self) -> int:
+        """The longest sequence served: the model's context, or the lowest of its caps."""
+        return min([self.max_position_embeddings] + [n for n, _ in self.context_caps()])
+
+    def context_caps(self) -> list[tuple[int, str]]:
+        """(tokens, why) for each limit below the model's context that kvgate serves it within."""
+        caps, scaling = [], self.rope_scaling or {}
+        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+            caps.append((self.sliding_window, "sliding attention window"))
+        old = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        if scaling.get("rope_type") == "longrope" and old < self.max_position_embeddings:
+            caps.append((old, "LongRoPE original context"))  # past it: the long factors, for every position
+        return caps
+
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     """One reader for both spellings: transformers 5 writes `dtype`/`rope_parameters`, older ones not."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     arch = _arch(raw)
     heads = raw["num_attention_heads"]
-    theta, scaling = _rope(raw)
+    max_position_embeddings = raw.get("max_position_embeddings", 2048)
+    theta, scaling = _rope(raw, arch, max_position_embeddings)
+    _refuse_what_differs(raw, arch, scaling)
     bias = raw.get("attention_bias", False)
     return ModelConfig(
         arch=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
@@ -45,7 +75,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_position_embeddings, sliding_window=_sliding_window(raw, arch),
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
         mlp_bias=raw.get("mlp_bias", False), qk_norm=arch == "qwen3",
@@ -62,13 +92,59 @@ def _arch(raw: dict) -> str:
     raise ValueError(f"unsupported architecture {raw.get('architectures')}; supported: {sorted(ARCHITECTURES)}")
 
 
-def _rope(raw: dict) -> tuple[float, dict | None]:
-    """(theta, scaling): theta top-level or in rope_parameters; scaling in rope_scaling or rope_parameters."""
+def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None) -> None:
+    """A folder whose config asks for what the module does not compute fails to load, saying what."""
+    kind = scaling["rope_type"] if scaling else "default"
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {kind!r} in config.json ({arch}); supported: {', '.join(ROPE_TYPES)}")
+    if kind == "longrope":
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        for name in ("short_factor", "long_factor"):
+            if len(scaling.get(name) or ()) != head_dim // 2:
+                raise ValueError(f"LongRoPE's {name} in config.json must have head_dim / 2 = {head_dim // 2} "
+                                 "numbers")
+    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"partial_rotary_factor {partial} in config.json: only full rotary embeddings "
+                         "(1.0) are supported")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} in config.json: only 'silu' is supported")
+
+
+def _sliding_window(raw: dict, arch: str) -> int | None:
+    """The window some layer attends over, else None. transformers 5 names each layer's kind in
+    `layer_types`; older Qwen configs say `use_sliding_window` (from layer `max_window_layers` on)."""
+    window = raw.get("sliding_window")
+    if not window:
+        return None
+    if raw.get("layer_types") is not None:
+        return window if "sliding_attention" in raw["layer_types"] else None
+    if arch in ("qwen2", "qwen3"):
+        slides = raw.get("use_sliding_window", False) and raw.get("max_window_layers", 28) < raw["num_hidden_layers"]
+        return window if slides else None
+    return window
+
+
+def _rope(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, dict | None]:
+    """(theta, scaling): theta top-level or in rope_parameters; scaling in rope_scaling or
+    rope_parameters, with what transformers fills in: the original context (a Phi-3's top-level
+    field first), YaRN's and LongRoPE's missing `factor` as the ratio of the two contexts."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
     theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if arch == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names for LongRoPE
+        rope_type = "longrope"
     if rope_type == "default":
         return float(theta), None
-    kept = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta")}
-    return float(theta), {**kept, "rope_type": rope_type}
+    kept = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}
+    scaling = {**kept, "rope_type": rope_type}
+    if rope_type in ORIGINAL_CONTEXT:
+        top = raw.get("original_max_position_embeddings") or (4096 if arch == "phi3" else None)
+        if top is not None:  # transformers gives a config's own field (Phi-3 has one by default) priority
+            scaling["original_max_position_embeddings"] = top
+        scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
+        if rope_type != "llama3" and scaling.get("factor") is None:
+            scaling["factor"] = max_position_embeddings / scaling["original_max_position_embeddings"]
+    return float(theta), scaling

@@ -111,7 +111,8 @@ def train_tokenizer(vocab_size: int = 2048, seed: int = 0, thinking: bool = Fals
 def _config(arch: str, **kw):
     import transformers
 
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "phi3": transformers.Phi3Config, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config}[arch]
     return cls(**kw)
 
@@ -133,9 +134,11 @@ def build_model_dir(
     seed: int = 0,
     head_dim: int | None = None,
     thinking: bool = False,
+    config_extra: dict | None = None,
 ) -> Path:
     """Write a deterministic random-weight `arch` model plus tokenizer to `path` and return it;
-    `thinking`: its chat template opens <think> unless a request sets `enable_thinking: false`."""
+    `thinking`: its chat template opens <think> unless a request sets `enable_thinking: false`;
+    `config_extra`: more of the config class's fields (a Mistral's `sliding_window`, ...)."""
     import torch
     import transformers
 
@@ -154,6 +157,7 @@ def build_model_dir(
         kw["rope_scaling"] = rope_scaling
     if head_dim is not None:
         kw["head_dim"] = head_dim
+    kw.update(config_extra or {})
     config = _config(arch, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Llama, Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family.
+"""Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family.
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -41,16 +41,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, with linear or llama3 (band-wise smoothed) context extension."""
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies, the factor cos and sin are scaled by): plain RoPE, or linear, llama3
+    (band-wise smoothed), YaRN or LongRoPE context extension, each computed as transformers does."""
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = scaling["rope_type"] if scaling else "default"
     if kind == "default":
-        return inv
+        return inv, 1.0
     if kind == "linear":
-        return inv / scaling["factor"]
+        return inv / scaling["factor"], 1.0
+    if kind == "yarn":
+        return _yarn(head_dim, theta, scaling)
+    if kind == "longrope":
+        return _long_rope(head_dim, theta, scaling)
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_type {kind!r}: default, linear or llama3")
+        raise ValueError(f"unsupported rope_type {kind!r}: default, linear, llama3, yarn or longrope")
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old_len = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv
@@ -58,7 +63,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
     smooth = (old_len / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
+
+
+def _yarn(dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): frequencies interpolated by `factor` below a band of dimensions,
+    kept above it, ramped linearly between; cos and sin scaled by 0.1 ln(factor) + 1 (or by the
+    config's attention_factor, or DeepSeek's mscale ratio)."""
+    old_len, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+
+    def band_edge(rotations: float) -> float:  # the dimension that turns `rotations` times in old_len
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = band_edge(scaling.get("beta_fast") or 32), band_edge(scaling.get("beta_slow") or 1)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it was trained)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
+    return inv, attention
+
+
+def _long_rope(dim: int, theta: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3's long-context variants) within its original context, where transformers uses
+    the short factors (config.py caps the context there): each frequency divided by its factor, cos
+    and sin scaled by sqrt(1 + ln(factor) / ln(original context))."""
+    old, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+    short = torch.tensor(scaling["short_factor"], dtype=torch.float32)
+    return 1.0 / (short * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), attention
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -66,10 +113,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 class Attention(nn.Module):
@@ -183,12 +234,14 @@ class CausalLM(nn.Module):
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard.size == 1
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard))
         self.inv_freq: torch.Tensor | None = None
+        self.rope_scale = 1.0  # YaRN's attention factor on cos and sin
         self._rope_table: torch.Tensor | None = None  # CPU: [positions, 2, head_dim] cos and sin
 
     def init_rope(self, device: torch.device) -> None:
         """Kept out of the state dict: it is derived from the config, not loaded."""
         cfg = self.cfg
-        self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.inv_freq = inv_freq.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -221,7 +274,7 @@ class CausalLM(nn.Module):
         products, computed once, not every step); elsewhere computed in place (no host sync, so
         CUDA graphs can capture it)."""
         if positions.device.type != "cpu":
-            return _rope(positions, self.inv_freq, dtype)
+            return _rope(positions, self.inv_freq, dtype, self.rope_scale)
         both = self._rope_table_for(positions, dtype).index_select(0, positions)
         return both[:, :1], both[:, 1:]
 
@@ -231,7 +284,7 @@ class CausalLM(nn.Module):
         table = self._rope_table
         if table is None or table.shape[0] < need or table.dtype != dtype:
             size = max(need, 2 * (table.shape[0] if table is not None else 512))
-            cos, sin = _rope(torch.arange(size, device=positions.device), self.inv_freq, dtype)
+            cos, sin = _rope(torch.arange(size, device=positions.device), self.inv_freq, dtype, self.rope_scale)
             table = self._rope_table = torch.cat((cos, sin), dim=1)
         return table
 

@@ -43,7 +43,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            pieces = [p if p.name in files else replace(p, name=_fallback(p.name))
+            pieces = [p if p.name in files else _from_fused(p, model.cfg, files) or replace(p, name=_fallback(p.name))
                       for p in model.checkpoint_pieces(name)]
             if any(p.name not in files for p in pieces):
                 missing.append(name)
@@ -69,6 +69,21 @@ def _fill(param: torch.Tensor, tensors: list[torch.Tensor], dim: int) -> None:
     if data.shape[dim] < param.shape[dim]:
         param.zero_()
     param.narrow(dim, 0, data.shape[dim]).copy_(data)
+
+
+def _from_fused(piece: Piece, cfg: ModelConfig, files: dict[str, Path]) -> Piece | None:
+    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: the piece's rows
+    there (all of the part's, or under tensor parallelism this rank's slice of them)."""
+    module, _, param = piece.name.rpartition(".")
+    base, _, part = module.rpartition(".")
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    where = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
+             "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}.get(part)
+    if where is None or piece.dim != 0 or f"{base}.{where[0]}.{param}" not in files:
+        return None
+    fused, offset, size = where
+    start, stop = (0, size) if piece.start is None else (piece.start, piece.stop)
+    return Piece(f"{base}.{fused}.{param}", 0, offset + start, offset + stop)
 
 
 def _fallback(name: str) -> str:

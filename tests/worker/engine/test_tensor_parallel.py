@@ -1,6 +1,7 @@
 """Tensor parallelism on CPU (gloo, two real processes): TP = 2 is token-exact with TP = 1 and with
-transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV head: replicated) and
-Qwen3 (per-head q/k norm), with the prefix cache, preemption and seeded sampling as at TP = 1."""
+transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV head: replicated),
+Qwen3 (per-head q/k norm) and Phi-3 (q/k/v and gate/up fused in the checkpoint), with the prefix
+cache, preemption and seeded sampling as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ MODELS = {  # name: (arch, overrides)
     "llama-gqa2-odd-vocab": ("llama", dict(num_kv_heads=2, vocab_size=2047)),
     "qwen2-one-kv-head": ("qwen2", dict(num_kv_heads=1)),
     "qwen3-gqa2": ("qwen3", dict(num_kv_heads=2, head_dim=32)),
+    "phi3-fused-checkpoint": ("phi3", dict(num_kv_heads=2)),  # each rank slices qkv_proj / gate_up_proj
 }
 
 

@@ -1,0 +1,123 @@
+"""Model folders beyond Llama and Qwen: Mistral (a sliding attention window, served up to the
+window), Phi-3 (q/k/v and gate/up fused in the checkpoint; LongRoPE served up to its original
+context) and YaRN context extension (Qwen2.5's and Qwen3's long-context configs) are token-exact with
+transformers' greedy; what the module cannot compute exactly is refused when the folder is read, by
+name."""
+import json
+import logging
+import shutil
+
+import pytest
+import torch
+
+from worker.engine.llm import LLM
+from worker.engine.types import EngineRejected, SamplingParams
+from worker.models.config import read_model_config
+
+torch.set_num_threads(1)
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)
+YARN_TUNED = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=24, beta_fast=16,
+                  beta_slow=2, attention_factor=1.3, truncate=False)
+
+
+def tokens(results) -> list[list[int]]:
+    return [r.token_ids for r in results]
+
+
+@pytest.mark.parametrize("name,arch,kw", [
+    ("mistral", "mistral", dict(config_extra=dict(sliding_window=None))),
+    ("phi3", "phi3", {}),
+    ("yarn-qwen2", "qwen2", dict(rope_scaling=YARN, rope_theta=1_000_000.0)),
+    ("yarn-tuned-qwen3", "qwen3", dict(rope_scaling=YARN_TUNED, head_dim=32)),
+])
+def test_matches_transformers(name, arch, kw, build_tiny, random_prompts, hf_greedy):
+    model_dir = build_tiny(name, arch, **kw)
+    prompts = random_prompts(4, 20, 90, seed=7)  # past YaRN's original context of 24-32 positions
+    assert tokens(LLM(model_dir).generate(prompts, GREEDY)) == hf_greedy(model_dir, prompts, 16)
+
+
+def test_yarn_scales_the_rotary_table():
+    """The attention factor reaches cos and sin (without it the YaRN cases above diverge)."""
+    from worker.models.llama import rope_inv_freq
+
+    inv, scale = rope_inv_freq(16, 10000.0, YARN)
+    plain, one = rope_inv_freq(16, 10000.0, None)
+    assert one == 1.0 and scale == pytest.approx(0.1 * torch.log(torch.tensor(4.0)).item() + 1.0)
+    assert inv[0] == plain[0] and inv[-1] == pytest.approx(plain[-1] / 4)  # fast kept, slow interpolated
+    assert rope_inv_freq(16, 10000.0, YARN_TUNED)[1] == 1.3
+
+
+def test_a_sliding_window_caps_the_context_and_within_it_is_exact(build_tiny, random_prompts, hf_greedy, caplog):
+    model_dir = build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=48))
+    assert read_model_config(model_dir).max_context == 48
+    with caplog.at_level(logging.WARNING, logger="kvgate.worker"):
+        llm = LLM(model_dir)
+    assert llm.engine.max_model_len == 48
+    assert any("sliding attention window, 48 tokens" in r.getMessage() for r in caplog.records)
+    prompts = random_prompts(4, 10, 32, seed=8)  # prompt + 16 within the window
+    assert tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model_dir, prompts, 16)
+    with pytest.raises(EngineRejected, match="48"):
+        llm.engine.add_request("long", list(range(10, 50)), GREEDY)
+    with pytest.raises(ValueError, match="sliding attention window, 48 tokens"):
+        LLM(model_dir, max_model_len=64)
+
+
+def rewritten(src, dst, **changes):
+    """A copy of the folder whose config.json has `changes` (None deletes a field)."""
+    shutil.copytree(src, dst)
+    raw = json.loads((dst / "config.json").read_text())
+    for key, value in changes.items():
+        raw.pop(key, None) if value is None else raw.__setitem__(key, value)
+    (dst / "config.json").write_text(json.dumps(raw))
+    return dst
+
+
+def test_old_spellings_read_the_same(tmp_path, build_tiny):
+    """transformers 4.x wrote YaRN as rope_scaling {"type": "yarn"}, and a Qwen2's window as
+    use_sliding_window + max_window_layers, without layer_types."""
+    new = build_tiny("yarn-qwen2", "qwen2", rope_scaling=YARN, rope_theta=1_000_000.0)
+    old = rewritten(new, tmp_path / "old", rope_parameters=None, rope_theta=1_000_000.0, dtype=None,
+                    torch_dtype="float32", rope_scaling={"type": "yarn", "factor": 4.0,
+                                                         "original_max_position_embeddings": 32})
+    assert read_model_config(old) == read_model_config(new)
+    windowed = dict(layer_types=None, use_sliding_window=True, sliding_window=40)
+    assert read_model_config(rewritten(new, tmp_path / "w1", max_window_layers=1, **windowed)).max_context == 40
+    assert read_model_config(rewritten(new, tmp_path / "w2", max_window_layers=2, **windowed)).max_context == 2048
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)),
+     "unsupported rope_type 'dynamic'.*default, linear, llama3, yarn, longrope"),
+    (dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
+     "partial_rotary_factor 0.75"),
+    (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
+    (dict(architectures=["GemmaForCausalLM"], model_type="gemma"), "unsupported architecture.*GemmaForCausalLM"),
+])
+def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
+    folder = rewritten(build_tiny("mistral", "mistral", config_extra=dict(sliding_window=None)),
+                       tmp_path / "bad", **changes)
+    with pytest.raises(ValueError, match=message):
+        read_model_config(folder)
+
+
+def test_phi3_long_rope_is_served_exactly_within_its_original_context(tmp_path, build_tiny, random_prompts,
+                                                                      hf_greedy, caplog):
+    """Phi-3.5-mini's shape of config (LongRoPE, "su" in older folders): capped at the original
+    context, where transformers uses the short factors and the attention factor."""
+    factors = dict(short_factor=[1.0 + 0.25 * i for i in range(8)], long_factor=[4.0 + i for i in range(8)])
+    model_dir = build_tiny("phi3-longrope", "phi3", rope_scaling=dict(rope_type="longrope", **factors),
+                           config_extra=dict(original_max_position_embeddings=64))
+    assert read_model_config(model_dir).rope_scaling["factor"] == 2048 / 64
+    with caplog.at_level(logging.WARNING, logger="kvgate.worker"):
+        llm = LLM(model_dir)
+    assert llm.engine.max_model_len == 64 and "LongRoPE original context, 64 tokens" in caplog.text
+    prompts = random_prompts(4, 20, 48, seed=9)
+    assert tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model_dir, prompts, 16)
+    old = rewritten(model_dir, tmp_path / "su", rope_parameters=None, rope_theta=10000.0,
+                    rope_scaling=dict(type="su", **factors))
+    assert read_model_config(old) == read_model_config(model_dir)
+    short = rewritten(model_dir, tmp_path / "short", rope_parameters=dict(
+        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 7, long_factor=[1.0] * 8))
+    with pytest.raises(ValueError, match="short_factor in config.json must have head_dim / 2 = 8 numbers"):
+        read_model_config(short)
