@@ -405,7 +405,7 @@ def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> proto
         created=now, deadline=now + _total_s(settings, lease), key_id=lease.key.id, weight=lease.key.weight,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.cache_salt(), trace=telemetry.inject(), streamed=bool(body.stream),
-        **call.prompt, **call.template)
+        from_model=body.left_to_model(), **call.prompt, **call.template)
 
 
 def _total_s(settings, lease: Lease) -> float:

@@ -17,6 +17,7 @@ from gateway.agent_schemas import (CallId, Choices, Ebnf, Regex, ResponseFormat,
                                    StructuredOutputsIn, TemplateKwargs, Tool, ToolCallIn, ToolChoice)
 from shared import protocol
 from shared.errors import InvalidRequest
+from shared.sampling import MODEL_DEFAULTS
 
 TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
 Bias = Annotated[float, Field(ge=-b.LOGIT_BIAS_VALUE, le=b.LOGIT_BIAS_VALUE)]
@@ -86,6 +87,11 @@ class _Sampling(BaseModel):
         wire = protocol.WireParams.model_fields
         same = {name: getattr(self, name) for name in type(self).model_fields if name in wire}
         return protocol.WireParams(**{**same, **self._respelled()})
+
+    def left_to_model(self) -> list[str] | None:
+        """The sampling fields the client left out, which a worker may take from the model folder
+        (shared/sampling.py MODEL_DEFAULTS); None when it set them all."""
+        return [name for name in MODEL_DEFAULTS if name not in self.model_fields_set] or None
 
     def _respelled(self) -> dict:
         """Engine fields OpenAI spells differently (a route adds its own)."""

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -88,12 +88,18 @@ class RequestEntry(BaseModel):
     # v6: the client reads the answer as it is made (SSE); False lets the worker hold a whole answer's
     # deltas after its first token and send them together (worker/held.py). An older peer streams each
     streamed: bool = True
+    # v7: the MODEL_DEFAULTS the client left out: the worker may take them from the model folder's
+    # generation_config.json (worker/model_defaults.py); an older worker keeps OpenAI's defaults
+    from_model: list[str] | None = None
 
-    def sampling_params(self, **when_absent) -> SamplingParams:
+    def sampling_params(self, model_defaults: dict | None = None, **when_absent) -> SamplingParams:
         """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
-        OPTIONAL one the client left out takes its value from `when_absent`."""
+        OPTIONAL one the client left out takes its value from `when_absent`, and one named in
+        `from_model` the model's default, if `model_defaults` has one."""
         values = dict(self.params) | {name: getattr(self, name) for name in ENTRY_PARAMS}
         values |= {name: value for name, value in when_absent.items() if values[name] is None}
+        if model_defaults and self.from_model:
+            values |= {name: model_defaults[name] for name in self.from_model if name in model_defaults}
         return SamplingParams(**values)
 
 
@@ -155,6 +161,7 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     4: {"delta": frozenset({"prompt_logprobs"})},
     5: {"request": frozenset({"render", "weight"}), "delta": frozenset({"token_strs"})},
     6: {"request": frozenset({"streamed"})},
+    7: {"request": frozenset({"from_model"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves

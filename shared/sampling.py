@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 GREEDY_TEMPERATURE = 1e-5
 OPTIONAL, ON_ENTRY = "optional", "on_entry"
+# what a model folder's generation_config.json may set the default of, for a request that leaves it
+# out (worker/model_defaults.py; vLLM's list, less max_new_tokens)
+MODEL_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 SCHEMA_DEPTH = 64  # JSON nesting of a schema: compile time grows steeply with it (depth 1000: 40 s)

@@ -251,6 +251,10 @@ class WorkerSettings(CommonSettings):
                                          "thinking goes to reasoning_content")
     tool_call_parser: str | None = Field(None, description="How the model writes tool calls (hermes, "
                                          "llama3; default: from the chat template)")
+    generation_config: Literal["auto", "none"] = Field(
+        "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p or "
+        "repetition_penalty out gets the model folder's generation_config.json value, where it sets "
+        "one (vLLM's default); none: OpenAI's defaults")
     structured_compile_timeout_s: float = Field(10.0, gt=0, description="A structured_outputs grammar "
                                                 "not compiled by then ends its request with a 400 "
                                                 "(the batch never waits for a compile)")

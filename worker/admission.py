@@ -29,6 +29,7 @@ from worker.engine.types import EngineRejected, Resume, SamplingParams
 from worker.faults import Faults
 from worker.inflight import Active, InFlight
 from worker.metrics import WorkerMetrics
+from worker.model_defaults import read_model_defaults, said
 from worker.outcomes import ANSWERED, REJECTED
 from worker.replies import Outbox
 from worker.thinking import Markers, ThinkingSplit
@@ -54,9 +55,11 @@ def short(p: PendingEntry) -> bool:
     return len(p.raw) <= INLINE_BYTES
 
 
-def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int) -> SamplingParams:
-    """Engine parameters from the wire; no max_tokens means as many as the context leaves."""
-    return entry.sampling_params(max_tokens=max(1, default_max_tokens))
+def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int,
+                       model_defaults: dict | None = None) -> SamplingParams:
+    """Engine parameters from the wire; no max_tokens means as many as the context leaves, and a
+    sampling field the client left out the model folder's default (worker/model_defaults.py)."""
+    return entry.sampling_params(model_defaults, max_tokens=max(1, default_max_tokens))
 
 
 class Admission:
@@ -68,6 +71,10 @@ class Admission:
         self.s, self.client, self.engine, self.tokenizer = s, client, engine, tokenizer
         self.markers, self.heard = markers, heard
         self.outbox, self.metrics, self.inflight = outbox, metrics, inflight
+        self.model_defaults = read_model_defaults(s.model) if s.generation_config == "auto" else {}
+        if self.model_defaults:
+            log.info("sampling defaults from the model's generation_config.json, for requests that leave "
+                     "them out: %s (KVGATE_GENERATION_CONFIG=none: OpenAI's)", said(self.model_defaults))
         self.faults = Faults(s.fault_error_rate, s.fault_latency_ms, s.fault_crash_marker,
                              s.fault_step_ms)
 
@@ -194,7 +201,7 @@ class Admission:
         rid = entry.request_id
         prompt_ids = prompt()
         self.faults.crash_if_marked(entry.prompt, entry.messages)
-        params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids))
+        params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids), self.model_defaults)
         resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
         self.engine.add_request(rid, prompt_ids, params, resume, tenant=p.claim.tenant or None)
         self.outbox.logs.start(rid, ckpt.size)

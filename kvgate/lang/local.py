@@ -16,6 +16,7 @@ from worker.engine.chat_markers import chat_markers
 from worker.engine.llm import LLM
 from worker.engine.tokenizer import encode_prompt
 from worker.engine.types import EngineRejected, SamplingParams
+from worker.model_defaults import read_model_defaults
 from shared.sampling import StructuredOutputs
 
 IDLE_WAIT_S = 0.05
@@ -39,6 +40,8 @@ class Local(Backend):
         self.llm = LLM(llm, **config) if self._owns else llm
         self.engine = self.llm.engine
         self._markers = chat_markers(self.engine.tokenizer)
+        # what a gateway's worker defaults a left-out sampling field to, so both backends sample alike
+        self._defaults = read_model_defaults(self.engine.config.model_dir)
         self._inbox: queue.Queue = queue.Queue()
         self._calls: dict[str, _Call] = {}
         self._ids = itertools.count()
@@ -77,7 +80,7 @@ class Local(Backend):
         return scores
 
     def _params(self, params: dict, prompt_len: int) -> SamplingParams:
-        fields = {k: v for k, v in params.items() if k != "structured_outputs"}
+        fields = self._defaults | {k: v for k, v in params.items() if k != "structured_outputs"}
         fields.setdefault("max_tokens", max(1, self.engine.max_model_len - prompt_len))
         spec = params.get("structured_outputs")
         if spec:
