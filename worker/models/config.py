@@ -8,7 +8,7 @@ exactly what kvgate computes and no further: a sliding window (within it every k
 full attention), and LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original
 context and whose long ones, past it, would change every position's rotation at once — which
 neither a paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary
-embeddings, an activation other than SiLU) is refused here, by name."""
+embeddings, an activation other than SiLU, a quantized checkpoint) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -107,6 +107,11 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None) -> None:
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor {partial} in config.json: only full rotary embeddings "
                          "(1.0) are supported")
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
+        raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
+                         "supported; serve the model's unquantized (bf16, fp16 or fp32) folder")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} in config.json: only 'silu' is supported")

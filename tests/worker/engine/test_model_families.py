@@ -92,6 +92,7 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
     (dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
      "partial_rotary_factor 0.75"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
+    (dict(quantization_config=dict(quant_method="awq", bits=4)), r"quantization_config \(awq\)"),
     (dict(architectures=["GemmaForCausalLM"], model_type="gemma"), "unsupported architecture.*GemmaForCausalLM"),
 ])
 def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
