@@ -161,13 +161,14 @@ void head_rmsnorm_f32(float* x, const float* w, int rows, int ld, int col, int h
     }
 }
 /* In place: the first `heads` heads of each row (q then k in a qkv row) rotated by their
-   position's [cos | sin] row of `table`: x * cos + rotate_half(x) * sin, as torch computes it. */
+   position's [cos | sin] row of `table`: x * cos + rotate_half(x) * sin, as torch computes it, over
+   each head's first `rot` of its `dim` values (the rest pass: partial rotary embeddings). */
 void rope_f32(float* x, const int64_t* pos, const float* table, int rows, int ld, int heads, int dim,
-              int nthreads) {
-  const int half = dim / 2;
+              int rot, int nthreads) {
+  const int half = rot / 2;
   #pragma omp parallel for num_threads(nthreads) schedule(static)
   for (int r = 0; r < rows; r++) {
-    const float* c = table + (size_t)pos[r] * 2 * dim; const float* s = c + dim;
+    const float* c = table + (size_t)pos[r] * 2 * rot; const float* s = c + rot;
     for (int h = 0; h < heads; h++) {
       float* xh = x + (size_t)r * ld + (size_t)h * dim;
       #pragma omp simd
@@ -422,12 +423,14 @@ class CpuKernels:
                                   self.head_dim, eps, torch.get_num_threads())
 
     def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int) -> None:
-        """The first `heads` heads of each row rotated in place; table [positions, 2, head_dim]
-        (cos, sin) covers every position given."""
-        assert qkv.is_contiguous() and table.is_contiguous() and table.shape[1:] == (2, self.head_dim)
+        """The first `heads` heads of each row rotated in place; table [positions, 2, rotary dim]
+        (cos, sin) covers every position given, and each head's first rotary-dim values."""
+        rot = table.shape[2]
+        assert qkv.is_contiguous() and table.is_contiguous() and table.shape[1] == 2
+        assert rot % 2 == 0 and 0 < rot <= self.head_dim
         pos = positions.to(torch.int64).contiguous()
         self.lib.rope_f32(qkv.data_ptr(), pos.data_ptr(), table.data_ptr(), qkv.shape[0], qkv.shape[1], heads,
-                          self.head_dim, torch.get_num_threads())
+                          self.head_dim, rot, torch.get_num_threads())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2n] (gate | up) -> [T, n]."""
@@ -465,7 +468,7 @@ _SIGNATURES = {
     "write_kv_f32": [_P] * 5 + [_I] * 4 + [ctypes.c_int64, _I],
     "add_rmsnorm_f32": [_P] * 4 + [_I, _I, _F, _I],
     "head_rmsnorm_f32": [_P, _P] + [_I] * 5 + [_F, _I],
-    "rope_f32": [_P] * 3 + [_I] * 5,
+    "rope_f32": [_P] * 3 + [_I] * 6,
     "silu_mul_f32": [_P, _P, _I, _I, _I],
     "argmax_f32": [_P, _I, _I, _P, _I],
     "gemm_panel_width": [],

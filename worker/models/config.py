@@ -2,13 +2,15 @@
 new spellings alike).
 
 Mistral is Llama's module with a sliding attention window; Phi-3 is Llama's with q/k/v and gate/up
-stored fused in the checkpoint (worker/models/loader.py reads its parts from there). Two things cap
+stored fused in the checkpoint (worker/models/loader.py reads its parts from there) and RoPE over
+part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`). Two things cap
 the context served below the model's (`ModelConfig.context_caps`), each where the model computes
 exactly what kvgate computes and no further: a sliding window (within it every key is attended: the
 full attention), and LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original
 context and whose long ones, past it, would change every position's rotation at once — which
 neither a paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary
-embeddings, an activation other than SiLU, a quantized checkpoint) is refused here, by name."""
+embeddings outside Phi-3, an activation other than SiLU, a quantized checkpoint) is refused here, by
+name."""
 from __future__ import annotations
 
 import json
@@ -30,6 +32,7 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    rotary_dim: int  # the leading values of each head that RoPE rotates (Phi-3's partial_rotary_factor)
     intermediate_size: int
     rms_norm_eps: float
     rope_theta: float
@@ -64,6 +67,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     arch = _arch(raw)
     heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
     theta, scaling = _rope(raw, arch, max_position_embeddings)
     _refuse_what_differs(raw, arch, scaling)
@@ -72,7 +76,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         arch=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        head_dim=head_dim, rotary_dim=int(head_dim * _partial_rotary(raw)),
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, sliding_window=_sliding_window(raw, arch),
@@ -97,16 +101,18 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None) -> None:
     kind = scaling["rope_type"] if scaling else "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {kind!r} in config.json ({arch}); supported: {', '.join(ROPE_TYPES)}")
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    partial = _partial_rotary(raw)
+    rot = int(head_dim * partial)
+    if partial != 1.0 and (arch != "phi3" or rot % 2 or rot <= 0):
+        raise ValueError(f"partial_rotary_factor {partial} in config.json: supported for Phi-3 folders "
+                         "rotating an even number of each head's values; a "
+                         f"{arch} folder's attention rotates all of them")
     if kind == "longrope":
-        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         for name in ("short_factor", "long_factor"):
-            if len(scaling.get(name) or ()) != head_dim // 2:
-                raise ValueError(f"LongRoPE's {name} in config.json must have head_dim / 2 = {head_dim // 2} "
+            if len(scaling.get(name) or ()) != rot // 2:
+                raise ValueError(f"LongRoPE's {name} in config.json must have rotary dims / 2 = {rot // 2} "
                                  "numbers")
-    partial = (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"partial_rotary_factor {partial} in config.json: only full rotary embeddings "
-                         "(1.0) are supported")
     quant = raw.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
@@ -115,6 +121,11 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None) -> None:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} in config.json: only 'silu' is supported")
+
+
+def _partial_rotary(raw: dict) -> float:
+    """The share of each head RoPE rotates: in rope_parameters (transformers 5) or top level."""
+    return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
 
 
 def _sliding_window(raw: dict, arch: str) -> int | None:

@@ -113,6 +113,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin over each head's first cos.shape[-1] values; the rest pass
+    (partial rotary embeddings: Phi-4-mini rotates 3/4 of each head)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
 def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
@@ -152,8 +162,7 @@ class Attention(nn.Module):
         q, k, v = self._heads(self.qkv_proj(x))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         return self._attend(q, k, v, kv_cache, meta)
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
@@ -240,7 +249,7 @@ class CausalLM(nn.Module):
     def init_rope(self, device: torch.device) -> None:
         """Kept out of the state dict: it is derived from the config, not loaded."""
         cfg = self.cfg
-        inv_freq, self.rope_scale = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        inv_freq, self.rope_scale = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -28,6 +28,7 @@ def tokens(results) -> list[list[int]]:
 @pytest.mark.parametrize("name,arch,kw", [
     ("mistral", "mistral", dict(config_extra=dict(sliding_window=None))),
     ("phi3", "phi3", {}),
+    ("phi4-mini-partial-rotary", "phi3", dict(config_extra=dict(partial_rotary_factor=0.75))),
     ("yarn-qwen2", "qwen2", dict(rope_scaling=YARN, rope_theta=1_000_000.0)),
     ("yarn-tuned-qwen3", "qwen3", dict(rope_scaling=YARN_TUNED, head_dim=32)),
 ])
@@ -90,7 +91,7 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
     (dict(rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)),
      "unsupported rope_type 'dynamic'.*default, linear, llama3, yarn, longrope"),
     (dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
-     "partial_rotary_factor 0.75"),
+     "partial_rotary_factor 0.75 .*mistral folder's attention rotates all"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
     (dict(quantization_config=dict(quant_method="awq", bits=4)), r"quantization_config \(awq\)"),
     (dict(architectures=["GemmaForCausalLM"], model_type="gemma"), "unsupported architecture.*GemmaForCausalLM"),
@@ -102,23 +103,29 @@ def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny,
         read_model_config(folder)
 
 
-def test_phi3_long_rope_is_served_exactly_within_its_original_context(tmp_path, build_tiny, random_prompts,
+@pytest.mark.parametrize("partial", [1.0, 0.75])
+def test_phi3_long_rope_is_served_exactly_within_its_original_context(partial, tmp_path, build_tiny, random_prompts,
                                                                       hf_greedy, caplog):
-    """Phi-3.5-mini's shape of config (LongRoPE, "su" in older folders): capped at the original
-    context, where transformers uses the short factors and the attention factor."""
-    factors = dict(short_factor=[1.0 + 0.25 * i for i in range(8)], long_factor=[4.0 + i for i in range(8)])
-    model_dir = build_tiny("phi3-longrope", "phi3", rope_scaling=dict(rope_type="longrope", **factors),
-                           config_extra=dict(original_max_position_embeddings=64))
+    """Phi-3.5-mini's shape of config (LongRoPE, "su" in older folders), and Phi-4-mini's (LongRoPE
+    over 3/4 of each head): capped at the original context, where transformers uses the short
+    factors and the attention factor."""
+    pairs = int(16 * partial) // 2  # head_dim 16
+    factors = dict(short_factor=[1.0 + 0.25 * i for i in range(pairs)], long_factor=[4.0 + i for i in range(pairs)])
+    model_dir = build_tiny(f"phi3-longrope-{partial}", "phi3", rope_scaling=dict(rope_type="longrope", **factors),
+                           config_extra=dict(original_max_position_embeddings=64, partial_rotary_factor=partial))
     assert read_model_config(model_dir).rope_scaling["factor"] == 2048 / 64
     with caplog.at_level(logging.WARNING, logger="kvgate.worker"):
         llm = LLM(model_dir)
     assert llm.engine.max_model_len == 64 and "LongRoPE original context, 64 tokens" in caplog.text
     prompts = random_prompts(4, 20, 48, seed=9)
-    assert tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model_dir, prompts, 16)
+    expected = hf_greedy(model_dir, prompts, 16)
+    assert tokens(llm.generate(prompts, GREEDY)) == expected  # the native kernels' rope
+    assert tokens(LLM(model_dir, attention_backend="torch").generate(prompts, GREEDY)) == expected  # torch's
     old = rewritten(model_dir, tmp_path / "su", rope_parameters=None, rope_theta=10000.0,
                     rope_scaling=dict(type="su", **factors))
     assert read_model_config(old) == read_model_config(model_dir)
     short = rewritten(model_dir, tmp_path / "short", rope_parameters=dict(
-        rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 7, long_factor=[1.0] * 8))
-    with pytest.raises(ValueError, match="short_factor in config.json must have head_dim / 2 = 8 numbers"):
+        rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=partial, short_factor=[1.0] * (pairs - 1),
+        long_factor=[1.0] * pairs))
+    with pytest.raises(ValueError, match=f"short_factor in config.json must have rotary dims / 2 = {pairs} numbers"):
         read_model_config(short)
