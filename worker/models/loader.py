@@ -1,5 +1,7 @@
 """Builds a model from a local Hugging Face folder: the module from its config (worker/models/config.py),
-the weights from its safetensors files."""
+the weights from its safetensors files — or, in a folder that has none, its PyTorch `.bin` files
+(older checkpoints), read with `weights_only=True` (tensors only: a pickle cannot run code here)
+and memory-mapped, so a rank's slice reads only its own bytes there too."""
 from __future__ import annotations
 
 import json
@@ -14,32 +16,50 @@ from worker.models.parallel import SINGLE, Piece, Shard
 
 
 def weight_files(model_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the shard index when there is one."""
+    """Tensor name -> checkpoint file, from the shard index when there is one."""
     model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
-    from safetensors import safe_open
-
-    files = sorted(model_dir.glob("*.safetensors"))
+    for index in (model_dir / "model.safetensors.index.json", model_dir / "pytorch_model.bin.index.json"):
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("pytorch_model*.bin"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+        raise FileNotFoundError(f"no *.safetensors (nor pytorch_model*.bin) in {model_dir}")
     names = {}
     for file in files:
-        with safe_open(str(file), "pt") as f:
-            names.update({name: file for name in f.keys()})
+        names.update({name: file for name in _open(file).keys()})
     return names
+
+
+class _TorchFile:
+    """A `.bin` checkpoint behind safetensors' reading interface (get_tensor, get_slice, keys)."""
+
+    def __init__(self, path: Path):
+        self._tensors = torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+
+    def keys(self):
+        return self._tensors.keys()
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    get_slice = get_tensor  # a memory-mapped tensor is sliced without reading the rest
+
+
+def _open(file: Path):
+    if file.suffix == ".bin":
+        return _TorchFile(file)
+    from safetensors import safe_open
+
+    return safe_open(str(file), "pt")
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     """Copy every parameter from the checkpoint: the concatenation of its pieces (fused parts, or
     under tensor parallelism this rank's slices, read alone by get_slice). A piece shorter than its
     parameter (the vocabulary's padding rows) leaves the rest zero."""
-    from safetensors import safe_open
-
     files = weight_files(model_dir)
-    handles = {file: safe_open(str(file), "pt") for file in set(files.values())}
+    handles = {file: _open(file) for file in set(files.values())}
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -69,3 +69,27 @@ def test_config_fields(build_tiny):
     assert (cfg.arch, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == ("qwen3", 32, True, False)
     cfg = read_model_config(build_tiny("exact-qwen2", "qwen2"))
     assert (cfg.arch, cfg.qkv_bias, cfg.o_bias, cfg.num_kv_heads, cfg.dtype) == ("qwen2", True, False, 2, "float32")
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_pytorch_bin_checkpoint_loads_the_same(tmp_path, sharded, build_tiny, random_prompts):
+    """A folder with only pytorch_model*.bin (older checkpoints), whole or sharded with an index."""
+    from safetensors.torch import load_file
+
+    src = build_tiny("exact-qwen2", "qwen2")
+    old = tmp_path / "bin"
+    shutil.copytree(src, old)
+    (old / "model.safetensors").unlink()
+    tensors = load_file(src / "model.safetensors")
+    if not sharded:
+        torch.save(tensors, old / "pytorch_model.bin")
+    else:
+        names = sorted(tensors)
+        halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, part in halves.items():
+            torch.save({name: tensors[name] for name in part}, old / file)
+        index = {"weight_map": {name: file for file, part in halves.items() for name in part}}
+        (old / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    prompts = random_prompts(3, 10, 40, seed=6)
+    assert [r.token_ids for r in LLM(old).generate(prompts, GREEDY)] == \
+        [r.token_ids for r in LLM(src).generate(prompts, GREEDY)]
