@@ -58,7 +58,7 @@ class Call:
         messages = [m.entry() for m in body.messages]
         tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
         return cls(body, "chat", {"messages": messages},
-                   {"tools": tools, "chat_template_kwargs": body.chat_template_kwargs})
+                   {"tools": tools, "chat_template_kwargs": body.template_kwargs()})
 
     @classmethod
     def completion(cls, body: CompletionRequest) -> Call:

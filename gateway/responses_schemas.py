@@ -187,9 +187,9 @@ class ResponsesRequest(BaseModel):
         if self.text is not None and self.text.format is not None:
             out["response_format"] = _response_format(self.text.format)
         if self.reasoning is not None and self.reasoning.effort is not None:
-            # thinking is the chat template's switch (Qwen3's enable_thinking); effort only turns it
-            # off ("none") or on: kvgate has no budget of thinking tokens
-            out["chat_template_kwargs"] = {"enable_thinking": self.reasoning.effort != "none"}
+            # the chat route's reasoning_effort: the template's thinking switch (Qwen3's
+            # enable_thinking) off for "none", on otherwise; kvgate has no budget of thinking tokens
+            out["reasoning_effort"] = self.reasoning.effort
         return out
 
 

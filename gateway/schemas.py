@@ -152,9 +152,20 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: ToolChoice | None = None  # none: `auto` with tools, `none` without
     parallel_tool_calls: bool = True
     chat_template_kwargs: TemplateKwargs | None = None
+    # thinking is the chat template's switch (Qwen3's enable_thinking; gpt-oss reads the effort
+    # itself): "none" turns it off, any other effort on — as the Responses API's reasoning.effort
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def template_kwargs(self) -> dict | None:
+        """What the chat template is rendered with: reasoning_effort's switch, under the client's
+        own chat_template_kwargs (which win where both say)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        effort = {"enable_thinking": self.reasoning_effort != "none", "reasoning_effort": self.reasoning_effort}
+        return effort | (self.chat_template_kwargs or {})
 
     def choice(self):
         """`tool_choice` as OpenAI defaults it."""

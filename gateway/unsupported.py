@@ -30,8 +30,7 @@ REFUSED = (
             lambda v, _: v is not None and list(v) != ["text"]),
     Refused("prediction", "predicted outputs are not supported"),
     Refused("web_search_options", "web search is not supported"),
-    Refused("reasoning_effort", "reasoning_effort is not supported; a template that reads it takes "
-            "it in chat_template_kwargs"),
+    Refused("reasoning_effort", "reasoning_effort is served on /v1/chat/completions"),  # completions
     Refused("verbosity", "verbosity is not supported"),
     Refused("best_of", "best_of above 1 is not supported; use n", lambda v, _: v not in (None, 1)),
     Refused("suffix", "suffix (insertion) is not supported"),

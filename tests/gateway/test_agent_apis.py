@@ -69,13 +69,13 @@ def test_responses_tools_format_and_reasoning_translate():
     chat = chat_request(body.chat(body.conversation([])))
     assert chat.tools[0].function.name == "get_weather" and chat.tool_choice.function.name == "get_weather"
     assert chat.limit() == 7 and chat.parallel_tool_calls is False
-    assert chat.chat_template_kwargs == {"enable_thinking": False}
+    assert chat.template_kwargs() == {"enable_thinking": False, "reasoning_effort": "none"}
     fmt = ResponsesRequest.model_validate({"model": "demo", "input": "Hi", "reasoning": {"effort": "low"},
                                            "text": {"format": {"type": "json_schema", "name": "x",
                                                                "schema": {"type": "object"}}}})
     chat = chat_request(fmt.chat(fmt.conversation([])))
     assert chat.response_format.json_schema.schema_ == {"type": "object"}
-    assert chat.chat_template_kwargs == {"enable_thinking": True}
+    assert chat.template_kwargs() == {"enable_thinking": True, "reasoning_effort": "low"}
 
 
 @pytest.mark.parametrize("body, param", [

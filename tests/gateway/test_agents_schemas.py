@@ -178,11 +178,21 @@ def test_tools_kvgate_cannot_serve_are_400s():
     ({"audio": {"voice": "x"}}, "audio"), ({"modalities": ["text", "audio"]}, "modalities"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"web_search_options": {}}, "web_search_options"), ({"best_of": 3}, "best_of"),
-    ({"top_logprobs": 2}, "top_logprobs"), ({"reasoning_effort": "low"}, "reasoning_effort"),
+    ({"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_fields_that_would_be_ignored_are_refused_by_name(fields, param):
     err = _refusal(check_supported, _chat(**fields))
     assert err.status == 400 and err.param == param and param in err.message
+
+
+def test_reasoning_effort_is_the_templates_thinking_switch_under_the_clients_own_kwargs():
+    assert _chat().template_kwargs() is None
+    assert _chat(reasoning_effort="none").template_kwargs() == {"enable_thinking": False, "reasoning_effort": "none"}
+    assert _chat(reasoning_effort="high").template_kwargs() == {"enable_thinking": True, "reasoning_effort": "high"}
+    own = _chat(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True, "x": 1}).template_kwargs()
+    assert own == {"enable_thinking": True, "reasoning_effort": "none", "x": 1}
+    err = _refusal(check_supported, CompletionRequest(model="demo", prompt="hi", reasoning_effort="low"))
+    assert err.param == "reasoning_effort" and "chat/completions" in err.message
 
 
 def test_labels_and_implemented_values_stay_accepted():

@@ -106,6 +106,8 @@ def test_the_entry_carries_tools_template_kwargs_tool_messages_and_the_constrain
     client.chat.completions.create(model=MODEL, messages=USER, response_format={
         "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"}, "strict": True}})
     assert peer.entries[-1]["params"]["structured_outputs"]["json"] == '{"type":"integer"}'
+    client.chat.completions.create(model=MODEL, messages=USER, reasoning_effort="none")
+    assert peer.entries[-1]["chat_template_kwargs"] == {"enable_thinking": False, "reasoning_effort": "none"}
 
 
 def test_auto_parses_the_families_calls_whole_and_streamed(cluster, peer, client):
