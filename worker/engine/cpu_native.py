@@ -52,7 +52,7 @@ static inline void prefetch(const float* p, size_t n) {
 }
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
                       float* out, int B, int Hq, int Hkv, int bs, int bt_stride, int q_stride, float scale,
-                      int pf, int nthreads) {
+                      int window, int pf, int nthreads) {
   const int G = Hq / Hkv;
   const size_t row_len = (size_t)Hkv * HEAD_DIM, block_len = row_len * bs;
   #pragma omp parallel num_threads(nthreads)
@@ -61,44 +61,46 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
     #pragma omp for schedule(dynamic, 1)
     for (int b = 0; b < B; b++) {
       const int L = lens[b];
-      if (L * Hq > cap) { free(sc); cap = L * Hq; sc = (float*)malloc(sizeof(float) * cap); }
+      /* a sliding window (window > 0) attends the last `window` keys only: from `first` on */
+      const int first = window > 0 && L > window ? L - window : 0, W = L - first;
+      if (W * Hq > cap) { free(sc); cap = W * Hq; sc = (float*)malloc(sizeof(float) * cap); }
       const float* qb = q + (size_t)b * q_stride;
       const int* row = bt + (size_t)b * bt_stride;
-      for (int t0 = 0; t0 < L; t0 += bs) {
-        const float* k = kc + (size_t)row[t0 / bs] * block_len;
-        const int n = L - t0 < bs ? L - t0 : bs;
+      for (int t0 = first - first % bs; t0 < L; t0 += bs) {
+        const int n = L - t0 < bs ? L - t0 : bs, o0 = t0 < first ? first - t0 : 0;
+        const float* k = kc + (size_t)row[t0 / bs] * block_len + (size_t)o0 * row_len;
         const float* next = !pf ? NULL : t0 + bs < L ? kc + (size_t)row[t0 / bs + 1] * block_len
-                                                     : vc + (size_t)row[0] * block_len;
-        for (int o = 0; o < n; o++, k += row_len) {
+                                                     : vc + (size_t)row[first / bs] * block_len;
+        for (int o = o0; o < n; o++, k += row_len) {
           if (next) prefetch(next + (size_t)o * row_len, row_len);
           for (int h = 0; h < Hq; h++) {
             const float* kh = k + KV_HEAD(h) * HEAD_DIM; const float* qh = qb + h * HEAD_DIM;
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int d = 0; d < HEAD_DIM; d++) dot += qh[d] * kh[d];
-            sc[h * L + t0 + o] = dot * scale;
+            sc[h * W + t0 + o - first] = dot * scale;
           }
         }
       }
       for (int h = 0; h < Hq; h++) {
-        float* s = sc + h * L; float m = -FLT_MAX, sum = 0.f;
-        for (int t = 0; t < L; t++) m = s[t] > m ? s[t] : m;
+        float* s = sc + h * W; float m = -FLT_MAX, sum = 0.f;
+        for (int t = 0; t < W; t++) m = s[t] > m ? s[t] : m;
         #pragma omp simd reduction(+:sum)
-        for (int t = 0; t < L; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
+        for (int t = 0; t < W; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
         const float inv = 1.f / sum;
         #pragma omp simd
-        for (int t = 0; t < L; t++) s[t] *= inv;
+        for (int t = 0; t < W; t++) s[t] *= inv;
       }
       float* ob = out + (size_t)b * Hq * HEAD_DIM;
       memset(ob, 0, sizeof(float) * Hq * HEAD_DIM);
-      for (int t0 = 0; t0 < L; t0 += bs) {
-        const float* v = vc + (size_t)row[t0 / bs] * block_len;
-        const int n = L - t0 < bs ? L - t0 : bs;
+      for (int t0 = first - first % bs; t0 < L; t0 += bs) {
+        const int n = L - t0 < bs ? L - t0 : bs, o0 = t0 < first ? first - t0 : 0;
+        const float* v = vc + (size_t)row[t0 / bs] * block_len + (size_t)o0 * row_len;
         const float* next = pf && t0 + bs < L ? vc + (size_t)row[t0 / bs + 1] * block_len : NULL;
-        for (int o = 0; o < n; o++, v += row_len) {
+        for (int o = o0; o < n; o++, v += row_len) {
           if (next) prefetch(next + (size_t)o * row_len, row_len);
           for (int h = 0; h < Hq; h++) {
-            const float* vh = v + KV_HEAD(h) * HEAD_DIM; const float p = sc[h * L + t0 + o];
+            const float* vh = v + KV_HEAD(h) * HEAD_DIM; const float p = sc[h * W + t0 + o - first];
             float* oh = ob + h * HEAD_DIM;
             #pragma omp simd
             for (int d = 0; d < HEAD_DIM; d++) oh[d] += p * vh[d];
@@ -375,8 +377,10 @@ class CpuKernels:
     def usable(*tensors: torch.Tensor) -> bool:
         return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
-    def paged_decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
-        """query [B, Hq, D] -> [B, Hq, D]; the caches contiguous [blocks, block_size, Hkv, D]."""
+    def paged_decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale: float,
+                     window: int | None = None) -> torch.Tensor:
+        """query [B, Hq, D] -> [B, Hq, D]; the caches contiguous [blocks, block_size, Hkv, D];
+        with a sliding `window`, over each sequence's last `window` keys only."""
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         q = query if _rows_of(query, num_heads * dim) else query.contiguous()  # q heads of qkv rows: as they are
@@ -385,7 +389,8 @@ class CpuKernels:
         out = torch.empty(query.shape, dtype=query.dtype)
         self.lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, block_size,
-                                  tables.shape[1], q.stride(0), scale, int(self.prefetch), torch.get_num_threads())
+                                  tables.shape[1], q.stride(0), scale, window or 0, int(self.prefetch),
+                                  torch.get_num_threads())
         return out
 
     def write_kv(self, k_cache, v_cache, key, value, slot_mapping) -> bool:
@@ -464,7 +469,7 @@ def _rows_of(t: torch.Tensor, width: int) -> bool:
 
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _I],
+    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _I, _I],
     "write_kv_f32": [_P] * 5 + [_I] * 4 + [ctypes.c_int64, _I],
     "add_rmsnorm_f32": [_P] * 4 + [_I, _I, _F, _I],
     "head_rmsnorm_f32": [_P, _P] + [_I] * 5 + [_F, _I],

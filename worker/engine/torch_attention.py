@@ -20,6 +20,7 @@ from worker.engine.kv_budget import cdiv
 
 class TorchAttention:
     name = "torch"
+    sliding_windows = True
 
     def __init__(self, native_decode: bool = False):
         self._workspace: dict[str, torch.Tensor] = {}
@@ -43,9 +44,9 @@ class TorchAttention:
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         if meta.is_decode_only:
-            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
         out = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -53,20 +54,20 @@ class TorchAttention:
             rows = torch.tensor(decode_rows, device=query.device)
             tokens = torch.tensor([starts[b] for b in decode_rows], device=query.device)
             out[tokens] = self._decode(query[tokens], k_cache, v_cache, meta.block_tables[rows],
-                                       meta.seq_lens[rows], scale)
+                                       meta.seq_lens[rows], scale, window)
         for b, (n, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if n > 1:
                 q = query[starts[b]:starts[b] + n]
                 out[starts[b]:starts[b] + n] = self._prefill(q, k_cache, v_cache, meta.block_tables[b],
-                                                             seq_len, scale)
+                                                             seq_len, scale, window)
         return out
 
-    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; GQA groups ride along as extra query rows per KV head."""
         kernels = self.kernels
         if kernels is not None and kernels.usable(query, k_cache, v_cache) and k_cache.is_contiguous() \
                 and v_cache.is_contiguous():
-            return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale)
+            return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window)
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         max_len = int(seq_lens.max())
@@ -74,7 +75,10 @@ class TorchAttention:
         length = ids.numel() * block_size // batch
         k = self._gather("k", k_cache, ids).view(batch, length, kv_heads, dim).transpose(1, 2)
         v = self._gather("v", v_cache, ids).view(batch, length, kv_heads, dim).transpose(1, 2)
-        mask = torch.arange(length, device=query.device) < seq_lens.unsqueeze(1)
+        keys = torch.arange(length, device=query.device)
+        mask = keys < seq_lens.unsqueeze(1)
+        if window:
+            mask &= keys >= (seq_lens - window).unsqueeze(1)
         q = query.view(batch, kv_heads, num_heads // kv_heads, dim)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
         return out.reshape(batch, num_heads, dim)
@@ -91,8 +95,10 @@ class TorchAttention:
         return torch.index_select(cache, 0, ids, out=buf[:numel].view(shape))
 
     @staticmethod
-    def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float) -> torch.Tensor:
-        """query [n, Hq, D], the last n of seq_len positions; causal over the cached context.
+    def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float,
+                 window: int | None = None) -> torch.Tensor:
+        """query [n, Hq, D], the last n of seq_len positions; causal over the cached context (within
+        the last `window` positions of each query's, with one).
         4-D inputs with K/V expanded to every query head keep SDPA on its flash kernel on CPU
         (3-D inputs, or enable_gqa with a mask, fall back to materialising every score)."""
         n, num_heads, dim = query.shape
@@ -103,10 +109,13 @@ class TorchAttention:
         if kv_heads != num_heads:
             k, v = k.repeat_interleave(num_heads // kv_heads, 0), v.repeat_interleave(num_heads // kv_heads, 0)
         q, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-        if n == seq_len:
+        windowed = window is not None and window < seq_len
+        if n == seq_len and not windowed:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
-            pos = torch.arange(seq_len - n, seq_len, device=query.device)
-            mask = torch.arange(seq_len, device=query.device) <= pos.unsqueeze(1)
+            pos, keys = torch.arange(seq_len - n, seq_len, device=query.device), torch.arange(seq_len, device=query.device)
+            mask = keys <= pos.unsqueeze(1)
+            if windowed:
+                mask &= keys > (pos - window).unsqueeze(1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         return out[0].transpose(0, 1)

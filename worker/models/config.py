@@ -1,16 +1,16 @@
 """A local Hugging Face folder's config.json, read into the one shape the model code uses (old and
 new spellings alike).
 
-Mistral is Llama's module with a sliding attention window; Phi-3 is Llama's with q/k/v and gate/up
-stored fused in the checkpoint (worker/models/loader.py reads its parts from there) and RoPE over
-part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`). Two things cap
-the context served below the model's (`ModelConfig.context_caps`), each where the model computes
-exactly what kvgate computes and no further: a sliding window (within it every key is attended: the
-full attention), and LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original
-context and whose long ones, past it, would change every position's rotation at once — which
-neither a paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary
-embeddings outside Phi-3, an activation other than SiLU, a quantized checkpoint) is refused here, by
-name."""
+Mistral is Llama's module with a sliding attention window (`layer_windows`: each layer's); Phi-3 is
+Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loader.py reads its
+parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`).
+Two things can cap the context served below the model's (`ModelConfig.context_caps`), each where
+the model computes exactly what kvgate computes and no further: a sliding window, on an attention
+backend that does not mask windows (within the window every key is attended: the full attention),
+and LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose
+long ones, past it, would change every position's rotation at once — which neither a paged cache
+nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings outside
+Phi-3, an activation other than SiLU, a quantized checkpoint) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -39,6 +39,7 @@ class ModelConfig:
     rope_scaling: dict | None  # None for plain RoPE, else has "rope_type" (one of ROPE_TYPES)
     max_position_embeddings: int
     sliding_window: int | None  # the attention window of (some of) its layers; None: full attention
+    layer_windows: tuple[int | None, ...]  # each layer's window (None: it attends the whole sequence)
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -51,10 +52,11 @@ class ModelConfig:
         """The longest sequence served: the model's context, or the lowest of its caps."""
         return min([self.max_position_embeddings] + [n for n, _ in self.context_caps()])
 
-    def context_caps(self) -> list[tuple[int, str]]:
-        """(tokens, why) for each limit below the model's context that kvgate serves it within."""
+    def context_caps(self, windowed: bool = False) -> list[tuple[int, str]]:
+        """(tokens, why) for each limit below the model's context that kvgate serves it within;
+        `windowed`: the attention backend masks sliding windows itself (no cap for them)."""
         caps, scaling = [], self.rope_scaling or {}
-        if self.sliding_window and self.sliding_window < self.max_position_embeddings:
+        if not windowed and self.sliding_window and self.sliding_window < self.max_position_embeddings:
             caps.append((self.sliding_window, "sliding attention window"))
         old = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
         if scaling.get("rope_type") == "longrope" and old < self.max_position_embeddings:
@@ -69,6 +71,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
+    windows = tuple(_layer_windows(raw, arch))
     theta, scaling = _rope(raw, arch, max_position_embeddings)
     _refuse_what_differs(raw, arch, scaling)
     bias = raw.get("attention_bias", False)
@@ -79,7 +82,8 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=head_dim, rotary_dim=int(head_dim * _partial_rotary(raw)),
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=max_position_embeddings, sliding_window=_sliding_window(raw, arch),
+        max_position_embeddings=max_position_embeddings, sliding_window=max((w for w in windows if w), default=None),
+        layer_windows=windows,
         tie_word_embeddings=raw.get("tie_word_embeddings", False),
         qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
         mlp_bias=raw.get("mlp_bias", False), qk_norm=arch == "qwen3",
@@ -128,18 +132,19 @@ def _partial_rotary(raw: dict) -> float:
     return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
 
 
-def _sliding_window(raw: dict, arch: str) -> int | None:
-    """The window some layer attends over, else None. transformers 5 names each layer's kind in
-    `layer_types`; older Qwen configs say `use_sliding_window` (from layer `max_window_layers` on)."""
-    window = raw.get("sliding_window")
+def _layer_windows(raw: dict, arch: str) -> list[int | None]:
+    """Each layer's sliding window, or None where it attends the whole sequence. transformers 5
+    names each layer's kind in `layer_types`; older Qwen configs say `use_sliding_window` (layers
+    from `max_window_layers` on slide); Mistral and Phi-3 slide in every layer when they have one."""
+    window, layers = raw.get("sliding_window"), raw["num_hidden_layers"]
     if not window:
-        return None
+        return [None] * layers
     if raw.get("layer_types") is not None:
-        return window if "sliding_attention" in raw["layer_types"] else None
+        return [window if kind == "sliding_attention" else None for kind in raw["layer_types"]]
     if arch in ("qwen2", "qwen3"):
-        slides = raw.get("use_sliding_window", False) and raw.get("max_window_layers", 28) < raw["num_hidden_layers"]
-        return window if slides else None
-    return window
+        first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else layers
+        return [window if i >= first else None for i in range(layers)]
+    return [window] * layers
 
 
 def _rope(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, dict | None]:

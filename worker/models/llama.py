@@ -136,8 +136,9 @@ def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them at N = 1)."""
 
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None):
         super().__init__()
+        self.window = window  # a sliding window's width (the backend masks keys before it), else None
         d = self.head_dim = cfg.head_dim
         q_first, self.num_heads = shard.split(cfg.num_heads, "attention heads")
         kv_first, self.num_kv_heads = shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)
@@ -184,7 +185,7 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -209,10 +210,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, shard)
+        self.self_attn = Attention(cfg, backend, shard, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, shard)
 
@@ -229,7 +230,9 @@ class Backbone(nn.Module):
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                           _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
                              if shard.size == 1 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard) for _ in range(cfg.num_layers))
+        # a backend without sliding windows sees none: the runner caps such a model's context at its window
+        windows = cfg.layer_windows if getattr(backend, "sliding_windows", False) else (None,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, window) for window in windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

@@ -1,5 +1,5 @@
-"""Model folders beyond Llama and Qwen: Mistral (a sliding attention window, served up to the
-window), Phi-3 (q/k/v and gate/up fused in the checkpoint; LongRoPE served up to its original
+"""Model folders beyond Llama and Qwen: Mistral and Qwen2 with a sliding attention window (masked
+by the CPU backends; served up to the window where a backend cannot), Phi-3 (q/k/v and gate/up fused in the checkpoint; LongRoPE served up to its original
 context) and YaRN context extension (Qwen2.5's and Qwen3's long-context configs) are token-exact with
 transformers' greedy; what the module cannot compute exactly is refused when the folder is read, by
 name."""
@@ -49,19 +49,36 @@ def test_yarn_scales_the_rotary_table():
     assert rope_inv_freq(16, 10000.0, YARN_TUNED)[1] == 1.3
 
 
-def test_a_sliding_window_caps_the_context_and_within_it_is_exact(build_tiny, random_prompts, hf_greedy, caplog):
-    model_dir = build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=48))
-    assert read_model_config(model_dir).max_context == 48
+@pytest.mark.parametrize("arch,extra,backend", [
+    ("mistral", dict(sliding_window=24), "auto"),  # the native decode kernel
+    ("mistral", dict(sliding_window=24), "torch"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1), "auto"),  # layer 1 slides
+])
+def test_a_sliding_window_is_attended_as_transformers_does(arch, extra, backend, build_tiny, random_prompts,
+                                                           hf_greedy):
+    """Prompts past the window, prefilled in chunks of 32 and read again from the prefix cache."""
+    model_dir = build_tiny(f"{arch}-window", arch, config_extra=extra)
+    assert read_model_config(model_dir).sliding_window == 24
+    llm = LLM(model_dir, attention_backend=backend, max_num_batched_tokens=32)
+    assert llm.engine.max_model_len == 2048  # not capped: this backend masks the window
+    prompts = random_prompts(4, 20, 90, seed=8)
+    expected = hf_greedy(model_dir, prompts, 16)
+    assert tokens(llm.generate(prompts, GREEDY)) == expected
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    assert tokens(llm.generate(prompts, GREEDY)) == expected and llm.engine.stats()["prefix_cache_hits"] > hits
+
+
+def test_a_backend_without_windows_caps_the_context_at_the_window(build_tiny, caplog):
+    """The triton kernels attend whole sequences: there a windowed model is served up to its window."""
+    from worker.engine.model_runner import served_context
+
+    cfg = read_model_config(build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=24)))
+    assert cfg.max_context == 24 and served_context(None, cfg, windowed=True) == 2048
     with caplog.at_level(logging.WARNING, logger="kvgate.worker"):
-        llm = LLM(model_dir)
-    assert llm.engine.max_model_len == 48
-    assert any("sliding attention window, 48 tokens" in r.getMessage() for r in caplog.records)
-    prompts = random_prompts(4, 10, 32, seed=8)  # prompt + 16 within the window
-    assert tokens(llm.generate(prompts, GREEDY)) == hf_greedy(model_dir, prompts, 16)
-    with pytest.raises(EngineRejected, match="48"):
-        llm.engine.add_request("long", list(range(10, 50)), GREEDY)
-    with pytest.raises(ValueError, match="sliding attention window, 48 tokens"):
-        LLM(model_dir, max_model_len=64)
+        assert served_context(None, cfg) == 24
+    assert "sliding attention window, 24 tokens" in caplog.text
+    with pytest.raises(ValueError, match="sliding attention window, 24 tokens"):
+        served_context(64, cfg)
 
 
 def rewritten(src, dst, **changes):
