@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
 
@@ -46,6 +46,11 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     dtype: str | None  # as the checkpoint was saved
+    # Gemma 3 (worker/models/gemma.py): attention scaled by query_pre_attn_scalar^-0.5, not head_dim's;
+    # logits soft-capped (tanh(x / cap) * cap); its sliding layers rotate by their own RoPE base
+    query_pre_attn_scalar: float | None = None
+    logit_softcap: float | None = None
+    local_rope_theta: float | None = None
 
     @property
     def max_context(self) -> int:
@@ -72,7 +77,8 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
     windows = tuple(_layer_windows(raw, arch))
-    theta, scaling = _rope(raw, arch, max_position_embeddings)
+    theta, scaling, local_theta = (_gemma_ropes(raw, max_position_embeddings) if arch == "gemma3"
+                                   else (*_rope(raw, arch, max_position_embeddings), None))
     _refuse_what_differs(raw, arch, scaling)
     bias = raw.get("attention_bias", False)
     return ModelConfig(
@@ -84,10 +90,13 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, sliding_window=max((w for w in windows if w), default=None),
         layer_windows=windows,
-        tie_word_embeddings=raw.get("tie_word_embeddings", False),
+        tie_word_embeddings=raw.get("tie_word_embeddings", arch == "gemma3"),  # Gemma's default: tied
         qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
-        mlp_bias=raw.get("mlp_bias", False), qk_norm=arch == "qwen3",
+        mlp_bias=raw.get("mlp_bias", False), qk_norm=arch in ("qwen3", "gemma3"),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if arch == "gemma3" else None,
+        logit_softcap=raw.get("final_logit_softcapping") if arch == "gemma3" else None,
+        local_rope_theta=local_theta,
     )
 
 
@@ -122,9 +131,29 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None) -> None:
         method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
         raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
                          "supported; serve the model's unquantized (bf16, fp16 or fp32) folder")
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"hidden_act {act!r} in config.json: only 'silu' is supported")
+    act, wanted = raw.get("hidden_activation") or raw.get("hidden_act", "silu"), _ACTIVATION.get(arch, "silu")
+    if act != wanted:
+        raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")
+    for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(name):  # Gemma 2's attention soft-cap; Gemma 3's embedding variants
+            raise ValueError(f"{name} {raw[name]!r} in config.json is not supported")
+
+
+_ACTIVATION = {"gemma3": "gelu_pytorch_tanh"}  # every other family: SiLU
+
+
+def _gemma_ropes(raw: dict, max_position_embeddings: int) -> tuple[float, dict | None, float]:
+    """Gemma 3's two RoPEs: (theta, scaling) of its full-attention layers and its sliding layers'
+    theta, from transformers 5's rope_parameters per layer type or the older rope_theta,
+    rope_scaling (the full layers') and rope_local_base_freq."""
+    params = raw.get("rope_parameters") or {}
+    full = params.get("full_attention") or {**(raw.get("rope_scaling") or {}),
+                                             "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+    local = params.get("sliding_attention") or {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    if local.get("rope_type", local.get("type", "default")) != "default":
+        raise ValueError("a scaled RoPE on Gemma's sliding layers is not supported")
+    theta, scaling = _rope({"rope_parameters": full}, "gemma3", max_position_embeddings)
+    return theta, scaling, float(local.get("rope_theta", 10_000.0))
 
 
 def _partial_rotary(raw: dict) -> float:
@@ -144,6 +173,9 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     if arch in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else layers
         return [window if i >= first else None for i in range(layers)]
+    if arch == "gemma3":  # before layer_types: every sliding_window_pattern-th layer is a full one
+        pattern = raw.get("sliding_window_pattern", 6)
+        return [window if (i + 1) % pattern else None for i in range(layers)]
     return [window] * layers
 
 

@@ -113,7 +113,7 @@ def _config(arch: str, **kw):
 
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "phi3": transformers.Phi3Config, "qwen2": transformers.Qwen2Config,
-           "qwen3": transformers.Qwen3Config}[arch]
+           "qwen3": transformers.Qwen3Config, "gemma3": transformers.Gemma3TextConfig}[arch]
     return cls(**kw)
 
 

@@ -115,8 +115,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                attention, shard: Shard = SINGLE):
     """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors
     (under tensor parallelism: this rank's slices only)."""
+    if cfg.arch == "gemma3":
+        from worker.models.gemma import GemmaCausalLM as model_class
+    else:
+        model_class = CausalLM
     with torch.device("meta"):
-        model = CausalLM(cfg, attention, shard).to(dtype)
+        model = model_class(cfg, attention, shard).to(dtype)
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty made two tensors of the one tied parameter
         model.lm_head.weight = model.model.embed_tokens.weight

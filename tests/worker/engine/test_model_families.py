@@ -1,5 +1,5 @@
 """Model folders beyond Llama and Qwen: Mistral and Qwen2 with a sliding attention window (masked
-by the CPU backends; served up to the window where a backend cannot), Phi-3 (q/k/v and gate/up fused in the checkpoint; LongRoPE served up to its original
+by the CPU backends; served up to the window where a backend cannot), Gemma 3 (text), Phi-3 (q/k/v and gate/up fused in the checkpoint; LongRoPE served up to its original
 context) and YaRN context extension (Qwen2.5's and Qwen3's long-context configs) are token-exact with
 transformers' greedy; what the module cannot compute exactly is refused when the folder is read, by
 name."""
@@ -81,6 +81,60 @@ def test_a_backend_without_windows_caps_the_context_at_the_window(build_tiny, ca
         served_context(64, cfg)
 
 
+GEMMA = dict(head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=True, config_extra=dict(
+    sliding_window=24, sliding_window_pattern=2, query_pre_attn_scalar=16, final_logit_softcapping=30.0))
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(build_tiny):
+    """A tiny Gemma 3 whose norm weights are not zero (so (1 + w) is tested), saved again."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny("gemma3", "gemma3", num_layers=4, **GEMMA)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_gemma3_matches_transformers(backend, gemma_dir, random_prompts, hf_greedy):
+    """(1 + w) norms, four a layer, scaled embeddings, GELU, query_pre_attn_scalar, soft-capped
+    logits, sliding layers (every other one here) with their own RoPE base: past the window, in
+    prefill chunks of 32, and again from the prefix cache."""
+    cfg = read_model_config(gemma_dir)
+    assert (cfg.layer_windows, cfg.local_rope_theta, cfg.rope_theta) == ((24, None, 24, None), 10_000.0, 1_000_000.0)
+    llm = LLM(gemma_dir, attention_backend=backend, max_num_batched_tokens=32)
+    prompts = random_prompts(4, 20, 90, seed=10)
+    expected = hf_greedy(gemma_dir, prompts, 16)
+    assert tokens(llm.generate(prompts, GREEDY)) == expected
+    assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
+    # greedy cannot see a monotonic soft-cap, nor GELU's tanh approximation: the logprobs can
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32).eval()
+    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1)
+    got = result.outputs[0].logprobs[0]
+    assert [t for t, _ in got.top] == want.topk(5).indices.tolist()
+    assert [v for _, v in got.top] == pytest.approx(want.topk(5).values.tolist(), abs=1e-5)
+
+
+def test_gemma3_older_config_reads_the_same(tmp_path, gemma_dir):
+    """transformers 4.x wrote rope_theta, rope_local_base_freq and sliding_window_pattern, no
+    layer_types; a Gemma 2-style attention soft-cap is refused by name."""
+    old = rewritten(gemma_dir, tmp_path / "old", rope_parameters=None, layer_types=None, rope_theta=1_000_000.0,
+                    rope_local_base_freq=10_000.0, sliding_window_pattern=2, dtype=None, torch_dtype="float32")
+    assert read_model_config(old) == read_model_config(gemma_dir)
+    with pytest.raises(ValueError, match="attn_logit_softcapping 50.0"):
+        read_model_config(rewritten(gemma_dir, tmp_path / "g2", attn_logit_softcapping=50.0))
+
+
 def rewritten(src, dst, **changes):
     """A copy of the folder whose config.json has `changes` (None deletes a field)."""
     shutil.copytree(src, dst)
@@ -111,7 +165,7 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
      "partial_rotary_factor 0.75 .*mistral folder's attention rotates all"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
     (dict(quantization_config=dict(quant_method="awq", bits=4)), r"quantization_config \(awq\)"),
-    (dict(architectures=["GemmaForCausalLM"], model_type="gemma"), "unsupported architecture.*GemmaForCausalLM"),
+    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"), "unsupported architecture.*Gemma2ForCausalLM"),
 ])
 def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
     folder = rewritten(build_tiny("mistral", "mistral", config_extra=dict(sliding_window=None)),

@@ -1,0 +1,87 @@
+"""Gemma 3 text models (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) on the Llama family's attention,
+linears and paged cache, with what Gemma does differently, each as transformers' Gemma3 computes it:
+
+- RMSNorm scales by (1 + w), in fp32, cast after (the checkpoint stores w around 0);
+- four norms a layer: the attention's and the MLP's outputs are normed before their residual adds;
+- the embeddings are multiplied by sqrt(hidden_size); the MLP is GELU (tanh) x up;
+- q/k RMSNorm per head; the scores scaled by query_pre_attn_scalar^-0.5;
+- sliding layers (five of six) attend a window with their own RoPE base (10,000), the full ones
+  with rope_theta (1,000,000, linearly scaled in the larger models);
+- logits soft-capped where the config says so.
+
+It runs the torch path on every device (the native CPU kernels fuse Llama's norm order, not this
+one); attention still goes through the backend, the native decode kernel included.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.models.config import ModelConfig
+from worker.models.llama import MLP, Attention, CausalLM, _rope, rope_inv_freq
+from worker.models.parallel import SINGLE, Shard
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaMLP(MLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard, window: int | None, local: bool):
+        super().__init__()
+        self.local = local  # a sliding layer: rotated by the local RoPE whether or not its window is masked
+        norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
+        self.self_attn = Attention(cfg, backend, shard, window)
+        self.self_attn.q_norm, self.self_attn.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
+        self.self_attn.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.mlp = GemmaMLP(cfg, shard)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class GemmaCausalLM(CausalLM):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
+        super().__init__(cfg, backend, shard)
+        masked = cfg.layer_windows if getattr(backend, "sliding_windows", False) else (None,) * cfg.num_layers
+        self.model.layers = nn.ModuleList(
+            GemmaDecoderLayer(cfg, backend, shard, window, local=cfg.layer_windows[i] is not None)
+            for i, window in enumerate(masked))
+        self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.local_inv_freq: torch.Tensor | None = None
+
+    def init_rope(self, device: torch.device) -> None:
+        super().init_rope(device)
+        self.local_inv_freq = rope_inv_freq(self.cfg.rotary_dim, self.cfg.local_rope_theta, None)[0].to(device)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        h = h * torch.tensor(self.cfg.hidden_size ** 0.5).to(h.dtype)
+        full = _rope(positions, self.inv_freq, h.dtype, self.rope_scale)
+        local = _rope(positions, self.local_inv_freq, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer(h, *(local if layer.local else full), kv_cache, meta)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.cfg.logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
