@@ -45,8 +45,6 @@ class AttentionBackend(Protocol):
         """Store new K/V ([T, Hkv, D]) into caches [num_blocks, block_size, Hkv, D] at slot_mapping."""
         ...
 
-    sliding_windows: bool  # whether attend honours `window` (else a windowed model is capped at it)
-
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         """Causal attention of new queries [T, Hq, D] over each sequence's cached context (GQA);

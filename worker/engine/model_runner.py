@@ -35,12 +35,11 @@ from worker.models.parallel import SINGLE, check_shardable
 log = logging.getLogger("kvgate.worker")
 
 
-def served_context(requested: int | None, cfg: ModelConfig, windowed: bool = False) -> int:
+def served_context(requested: int | None, cfg: ModelConfig) -> int:
     """The model's context, or the lowest cap on it (worker/models/config.py: LongRoPE's original
-    context; a sliding window, where the attention backend does not mask windows — `windowed`),
-    said in a warning: past the cap the outputs would not be the model's. An explicit
+    context), said in a warning: past the cap the outputs would not be the model's. An explicit
     --max-model-len past it is a start-up error."""
-    caps = cfg.context_caps(windowed)
+    caps = cfg.context_caps()
     if not caps:
         return cfg.max_position_embeddings
     cap, why = min(caps)
@@ -213,8 +212,7 @@ class ModelRunner:
 
     def _size_kv_cache(self, config: EngineConfig, cfg: ModelConfig) -> KVCacheFacts:
         """Blocks from the budget (the weights are loaded by now), then the context they hold."""
-        windowed = getattr(self.backend, "sliding_windows", False)  # else a sliding window caps the context
-        block_bytes, model_max = self._block_bytes(cfg), served_context(config.max_model_len, cfg, windowed)
+        block_bytes, model_max = self._block_bytes(cfg), served_context(config.max_model_len, cfg)
         num_blocks, knob, source = self._pool_blocks(config, cfg, block_bytes, model_max)
         if self.group is not None:  # one block table for all ranks: the fewest any rank affords
             num_blocks = self.group.min_over_ranks(num_blocks)

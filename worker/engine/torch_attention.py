@@ -20,7 +20,6 @@ from worker.engine.kv_budget import cdiv
 
 class TorchAttention:
     name = "torch"
-    sliding_windows = True
 
     def __init__(self, native_decode: bool = False):
         self._workspace: dict[str, torch.Tensor] = {}

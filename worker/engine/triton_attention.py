@@ -49,18 +49,16 @@ class TritonAttentionBackend:
                  value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         write_kv(k_cache, v_cache, key, value, slot_mapping)
 
-    sliding_windows = False  # not in these kernels yet: a windowed model's context is capped at its window
-
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
-        assert window is None, "the triton kernels attend over whole sequences"
         if query.is_cuda and not torch.cuda.is_current_stream_capturing():
             self._warm_once(query, k_cache, v_cache, scale)
         if meta.is_decode_only:
             return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                    scale, num_kv_splits=self._splits(query, k_cache, meta))
+                                    scale, num_kv_splits=self._splits(query, k_cache, meta), window=window)
         return extend_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                meta.query_start_loc, meta.max_query_len, scale, block_m=MAX_EXTEND_TILE)
+                                meta.query_start_loc, meta.max_query_len, scale, block_m=MAX_EXTEND_TILE,
+                                window=window)
 
     def warm_up(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 scale: float) -> list[tuple[str, int]]:

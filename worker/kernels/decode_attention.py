@@ -4,7 +4,8 @@ Flash-decoding: each sequence's context is cut into NUM_SPLITS equal parts, one 
 (sequence, kv head, split) computes a partial softmax over its part for all query heads that share
 the kv head (GQA), and a second kernel merges the partials by their log-sum-exp. A sequence's split
 length is computed in the kernel from its own length, so ragged batches stay balanced and the grid
-depends only on tensor shapes (a captured CUDA graph stays valid for any lengths).
+depends only on tensor shapes (a captured CUDA graph stays valid for any lengths). With a sliding
+window (window > 0) the splits cover the last `window` keys only.
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ LOG2E = 1.4426950408889634
 EMPTY_LSE = tl.constexpr(-1.0e30)  # log-sum-exp of a split that saw no keys: weight 0 in the merge, never NaN
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the table's width changes every step: one compile
+# the table's width changes every step, a window per layer: one compile for all of them
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # > 0: a sliding window, the last `window` keys; 0: the whole context
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -36,8 +39,9 @@ def _decode_partial_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
     offs_g = tl.arange(0, BLOCK_H)
@@ -107,8 +111,9 @@ def _decode_merge_kernel(
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_kv_splits: int = 1, block_n: int = 64, num_stages: int = 2,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one query token per sequence (query [B, Hq, D]) over its paged context.
+                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """Attention of one query token per sequence (query [B, Hq, D]) over its paged context (its
+    last `window` keys, with a sliding window).
 
     seq_lens[b] counts the whole context including the new token, whose K/V are already written.
     A sequence of length 0 (a padding row) gets zeros.
@@ -129,7 +134,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_d = triton.next_power_of_2(head_dim)
     _decode_partial_kernel[(num_seqs, kv_heads, num_kv_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

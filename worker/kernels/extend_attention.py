@@ -5,6 +5,8 @@ seq_len - query_len positions came from earlier steps or a prefix-cache hit. The
 before attention runs, so every key is read from the cache the same way. One program covers
 BLOCK_Q new tokens times all query heads of one kv head (GQA rows packed into the tile's M side),
 so each K/V tile is loaded once per kv head, and a decode row (query_len 1) costs one small tile.
+With a sliding window (window > 0) a row at position p reads keys (p - window, p] only, and a tile
+starts at the first key its earliest row sees.
 """
 from __future__ import annotations
 
@@ -16,11 +18,13 @@ LOG2E = 1.4426950408889634
 NO_SCORE = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2 never sees inf - inf
 
 
-@triton.jit(do_not_specialize=["stride_bt"])  # the table's width changes every step: one compile
+# the table's width changes every step, a window per layer: one compile for all of them
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    window,  # > 0: a sliding window; 0: the whole context
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -58,8 +62,9 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)  # last key any row sees + 1
+    kv_start = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
     table = block_tables_ptr + seq * stride_bt
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < kv_end
         block = tl.load(table + offs_n // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
@@ -68,7 +73,8 @@ def _extend_kernel(
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        causal = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :]
+        in_window = (window == 0) | (offs_n[None, :] > q_pos[:, None] - window)
+        causal = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :] & in_window
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -98,7 +104,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                      block_m: int = 64, block_n: int = 64,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal attention of a flattened batch of new tokens (query [T, Hq, D]) over paged contexts.
 
     Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b] keys
@@ -121,7 +127,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _extend_kernel[(num_seqs, kv_heads, triton.cdiv(max_query_len, block_q))](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc,
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

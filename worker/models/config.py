@@ -4,12 +4,10 @@ new spellings alike).
 Mistral is Llama's module with a sliding attention window (`layer_windows`: each layer's); Phi-3 is
 Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loader.py reads its
 parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`).
-Two things can cap the context served below the model's (`ModelConfig.context_caps`), each where
-the model computes exactly what kvgate computes and no further: a sliding window, on an attention
-backend that does not mask windows (within the window every key is attended: the full attention),
-and LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose
-long ones, past it, would change every position's rotation at once — which neither a paged cache
-nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings outside
+One thing caps the context served below the model's (`ModelConfig.context_caps`), where the model
+computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants), whose short
+factors hold up to the original context and whose long ones, past it, would change every
+position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings outside
 Phi-3, an activation other than SiLU, a quantized checkpoint) is refused here, by name."""
 from __future__ import annotations
 
@@ -57,12 +55,9 @@ class ModelConfig:
         """The longest sequence served: the model's context, or the lowest of its caps."""
         return min([self.max_position_embeddings] + [n for n, _ in self.context_caps()])
 
-    def context_caps(self, windowed: bool = False) -> list[tuple[int, str]]:
-        """(tokens, why) for each limit below the model's context that kvgate serves it within;
-        `windowed`: the attention backend masks sliding windows itself (no cap for them)."""
+    def context_caps(self) -> list[tuple[int, str]]:
+        """(tokens, why) for each limit below the model's context that kvgate serves it within."""
         caps, scaling = [], self.rope_scaling or {}
-        if not windowed and self.sliding_window and self.sliding_window < self.max_position_embeddings:
-            caps.append((self.sliding_window, "sliding attention window"))
         old = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
         if scaling.get("rope_type") == "longrope" and old < self.max_position_embeddings:
             caps.append((old, "LongRoPE original context"))  # past it: the long factors, for every position

@@ -42,9 +42,9 @@ class GemmaMLP(MLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard, window: int | None, local: bool):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard, window: int | None):
         super().__init__()
-        self.local = local  # a sliding layer: rotated by the local RoPE whether or not its window is masked
+        self.local = window is not None  # a sliding layer, rotated by the local RoPE
         norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
@@ -61,10 +61,8 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaCausalLM(CausalLM):
     def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__(cfg, backend, shard)
-        masked = cfg.layer_windows if getattr(backend, "sliding_windows", False) else (None,) * cfg.num_layers
-        self.model.layers = nn.ModuleList(
-            GemmaDecoderLayer(cfg, backend, shard, window, local=cfg.layer_windows[i] is not None)
-            for i, window in enumerate(masked))
+        self.model.layers = nn.ModuleList(GemmaDecoderLayer(cfg, backend, shard, window)
+                                          for window in cfg.layer_windows)
         self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.local_inv_freq: torch.Tensor | None = None
 

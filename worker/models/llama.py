@@ -230,9 +230,7 @@ class Backbone(nn.Module):
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                           _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
                              if shard.size == 1 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
-        # a backend without sliding windows sees none: the runner caps such a model's context at its window
-        windows = cfg.layer_windows if getattr(backend, "sliding_windows", False) else (None,) * cfg.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, window) for window in windows)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, window) for window in cfg.layer_windows)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

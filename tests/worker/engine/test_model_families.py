@@ -1,8 +1,8 @@
-"""Model folders beyond Llama and Qwen: Mistral and Qwen2 with a sliding attention window (masked
-by the CPU backends; served up to the window where a backend cannot), Gemma 3 (text), Phi-3 (q/k/v and gate/up fused in the checkpoint; LongRoPE served up to its original
-context) and YaRN context extension (Qwen2.5's and Qwen3's long-context configs) are token-exact with
-transformers' greedy; what the module cannot compute exactly is refused when the folder is read, by
-name."""
+"""Model folders beyond Llama and Qwen: Mistral and Qwen2 with a sliding attention window (masked by
+every attention backend), Gemma 3 (text), Phi-3 (q/k/v and gate/up fused in the checkpoint;
+LongRoPE served up to its original context) and YaRN context extension (Qwen2.5's and Qwen3's
+long-context configs) are token-exact with transformers' greedy; what the module cannot compute
+exactly is refused when the folder is read, by name."""
 import json
 import logging
 import shutil
@@ -52,6 +52,7 @@ def test_yarn_scales_the_rotary_table():
 @pytest.mark.parametrize("arch,extra,backend", [
     ("mistral", dict(sliding_window=24), "auto"),  # the native decode kernel
     ("mistral", dict(sliding_window=24), "torch"),
+    ("mistral", dict(sliding_window=24), "triton"),  # the Triton kernels, interpreted on CPU
     ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1), "auto"),  # layer 1 slides
 ])
 def test_a_sliding_window_is_attended_as_transformers_does(arch, extra, backend, build_tiny, random_prompts,
@@ -60,25 +61,12 @@ def test_a_sliding_window_is_attended_as_transformers_does(arch, extra, backend,
     model_dir = build_tiny(f"{arch}-window", arch, config_extra=extra)
     assert read_model_config(model_dir).sliding_window == 24
     llm = LLM(model_dir, attention_backend=backend, max_num_batched_tokens=32)
-    assert llm.engine.max_model_len == 2048  # not capped: this backend masks the window
+    assert llm.engine.max_model_len == 2048  # not capped: every backend masks the window
     prompts = random_prompts(4, 20, 90, seed=8)
     expected = hf_greedy(model_dir, prompts, 16)
     assert tokens(llm.generate(prompts, GREEDY)) == expected
     hits = llm.engine.stats()["prefix_cache_hits"]
     assert tokens(llm.generate(prompts, GREEDY)) == expected and llm.engine.stats()["prefix_cache_hits"] > hits
-
-
-def test_a_backend_without_windows_caps_the_context_at_the_window(build_tiny, caplog):
-    """The triton kernels attend whole sequences: there a windowed model is served up to its window."""
-    from worker.engine.model_runner import served_context
-
-    cfg = read_model_config(build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=24)))
-    assert cfg.max_context == 24 and served_context(None, cfg, windowed=True) == 2048
-    with caplog.at_level(logging.WARNING, logger="kvgate.worker"):
-        assert served_context(None, cfg) == 24
-    assert "sliding attention window, 24 tokens" in caplog.text
-    with pytest.raises(ValueError, match="sliding attention window, 24 tokens"):
-        served_context(64, cfg)
 
 
 GEMMA = dict(head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=True, config_extra=dict(
@@ -154,8 +142,8 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
                                                          "original_max_position_embeddings": 32})
     assert read_model_config(old) == read_model_config(new)
     windowed = dict(layer_types=None, use_sliding_window=True, sliding_window=40)
-    assert read_model_config(rewritten(new, tmp_path / "w1", max_window_layers=1, **windowed)).max_context == 40
-    assert read_model_config(rewritten(new, tmp_path / "w2", max_window_layers=2, **windowed)).max_context == 2048
+    assert read_model_config(rewritten(new, tmp_path / "w1", max_window_layers=1, **windowed)).layer_windows == (None, 40)
+    assert read_model_config(rewritten(new, tmp_path / "w2", max_window_layers=2, **windowed)).layer_windows == (None, None)
 
 
 @pytest.mark.parametrize("changes,message", [

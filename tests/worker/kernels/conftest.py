@@ -93,8 +93,9 @@ def make_batch(seq_lens: list[int], query_lens: list[int], *, q_heads: int = 4,
 
 
 def reference_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Gather each sequence's keys through its block table; causal softmax in fp32."""
+                        meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+    """Gather each sequence's keys through its block table; causal softmax in fp32 (over keys
+    (p - window, p] for a query at p, with a sliding window)."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // kv_heads
     out = torch.empty_like(query)
@@ -109,5 +110,7 @@ def reference_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
         q_pos = torch.arange(n - (q1 - q0), n, device=query.device)
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
+        if window:
+            scores = scores.masked_fill(positions[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
         out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out

@@ -36,3 +36,14 @@ def test_padding_row_of_length_zero_gives_zeros(device, paged_batch, reference):
     want = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)
     torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("window", [1, 6, 16])  # one key; a window inside a block; one past most lengths
+def test_a_sliding_window_reads_the_last_keys_only(device, paged_batch, reference, splits, window):
+    batch = paged_batch(RAGGED, [1] * len(RAGGED), q_heads=4, kv_heads=2, device=device)
+    got = decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                           batch.meta.seq_lens, 0.25, num_kv_splits=splits, block_n=16, window=window)
+    want = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[-1], reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)[-1])
