@@ -12,15 +12,17 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("block_m", [16, 64])  # 16: several query tiles per sequence
-def test_matches_reference(device, paged_batch, reference, case, block_m):
+@pytest.mark.parametrize("block_m,window", [  # block_m 16: several query tiles per sequence
+    (16, None), (64, None),
+    (16, 1), (16, 5), (16, 16), (64, 5)])  # a sliding window: one key, within a tile, past most rows
+def test_matches_reference(device, paged_batch, reference, case, block_m, window):
     seq_lens, query_lens = CASES[case]
     batch = paged_batch(seq_lens, query_lens, q_heads=4, kv_heads=2, device=device)
     meta = batch.meta
     got = extend_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables,
                            meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.25,
-                           block_m=block_m, block_n=16)
-    want = reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.25)
+                           block_m=block_m, block_n=16, window=window)
+    want = reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.25, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -33,17 +35,4 @@ def test_odd_group_and_head_dim(device, paged_batch, reference):
                            meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.2,
                            block_m=16, block_n=16)
     want = reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.2)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("window", [1, 5, 16])
-def test_a_sliding_window_masks_keys_before_it(device, paged_batch, reference, case, window):
-    seq_lens, query_lens = CASES[case]
-    batch = paged_batch(seq_lens, query_lens, q_heads=4, kv_heads=2, device=device)
-    meta = batch.meta
-    got = extend_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables,
-                           meta.seq_lens, meta.query_start_loc, meta.max_query_len, 0.25,
-                           block_m=16, block_n=16, window=window)
-    want = reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.25, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
