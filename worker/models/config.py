@@ -36,8 +36,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: dict | None  # None for plain RoPE, else has "rope_type" (one of ROPE_TYPES)
     max_position_embeddings: int
-    sliding_window: int | None  # the attention window of (some of) its layers; None: full attention
-    layer_windows: tuple[int | None, ...]  # each layer's window (None: it attends the whole sequence)
+    layer_windows: tuple[int | None, ...]  # each layer's sliding window (None: it attends the whole sequence)
     tie_word_embeddings: bool
     qkv_bias: bool
     o_bias: bool
@@ -49,6 +48,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     logit_softcap: float | None = None
     local_rope_theta: float | None = None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The widest window any layer slides (None: every layer attends the whole sequence)."""
+        return max((w for w in self.layer_windows if w), default=None)
 
     @property
     def max_context(self) -> int:
@@ -83,8 +87,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         head_dim=head_dim, rotary_dim=int(head_dim * _partial_rotary(raw)),
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
-        max_position_embeddings=max_position_embeddings, sliding_window=max((w for w in windows if w), default=None),
-        layer_windows=windows,
+        max_position_embeddings=max_position_embeddings, layer_windows=windows,
         tie_word_embeddings=raw.get("tie_word_embeddings", arch == "gemma3"),  # Gemma's default: tied
         qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
         mlp_bias=raw.get("mlp_bias", False), qk_norm=arch in ("qwen3", "gemma3"),
@@ -161,7 +164,7 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     names each layer's kind in `layer_types`; older Qwen configs say `use_sliding_window` (layers
     from `max_window_layers` on slide); Mistral and Phi-3 slide in every layer when they have one."""
     window, layers = raw.get("sliding_window"), raw["num_hidden_layers"]
-    if not window:
+    if not window or arch == "llama":  # transformers' Llama attends whole sequences whatever it says
         return [None] * layers
     if raw.get("layer_types") is not None:
         return [window if kind == "sliding_attention" else None for kind in raw["layer_types"]]

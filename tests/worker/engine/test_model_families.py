@@ -144,6 +144,8 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
     windowed = dict(layer_types=None, use_sliding_window=True, sliding_window=40)
     assert read_model_config(rewritten(new, tmp_path / "w1", max_window_layers=1, **windowed)).layer_windows == (None, 40)
     assert read_model_config(rewritten(new, tmp_path / "w2", max_window_layers=2, **windowed)).layer_windows == (None, None)
+    llama = rewritten(build_tiny("llama"), tmp_path / "llama", sliding_window=8)  # transformers' Llama ignores it
+    assert read_model_config(llama).layer_windows == (None, None)
 
 
 @pytest.mark.parametrize("changes,message", [
