@@ -24,7 +24,8 @@ from worker.admission import to_sampling_params
 
 REST = 50  # what the worker passes as "the rest of the context" for a request without max_tokens
 NOT_SAMPLING = {"model", "stream", "stream_options", "user", "messages", "prompt", "echo",  # routing,
-                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs"}  # on the entry
+                "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",  # on the entry
+                "reasoning_effort"}  # the template's (in chat_template_kwargs)
 COMPLETIONS_ONLY = {"prompt_logprobs", "prompt_logprobs_start"}  # a chat refuses them (unsupported.py)
 FROM_THE_KEY = {"cache_salt"}  # the engine field no request sets          # response shape, refused
 CONSTRAINT = {"json": None, "json_object": False, "regex": None, "choice": None, "grammar": None}
