@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
+                 "Gemma3ForConditionalGeneration": "gemma3"}  # its text model: images are not served
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
 
@@ -72,6 +73,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     """One reader for both spellings: transformers 5 writes `dtype`/`rope_parameters`, older ones not."""
     raw = json.loads((Path(model_dir) / "config.json").read_text())
     arch = _arch(raw)
+    raw = _text_part(raw)
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
@@ -96,6 +98,19 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         logit_softcap=raw.get("final_logit_softcapping") if arch == "gemma3" else None,
         local_rope_theta=local_theta,
     )
+
+
+def _text_part(raw: dict) -> dict:
+    """A multimodal folder's text model's config (Gemma 3 4B and up): its `text_config`, with the
+    defaults transformers fills (hub configs leave many out), and what the folder says at the top."""
+    if "text_config" not in raw:
+        return raw
+    from transformers import Gemma3TextConfig
+
+    text = Gemma3TextConfig(**raw["text_config"]).to_dict()
+    top = {k: raw[k] for k in ("architectures", "dtype", "torch_dtype", "quantization_config", "tie_word_embeddings")
+           if k in raw}
+    return {**text, **top}
 
 
 def _arch(raw: dict) -> str:

@@ -63,7 +63,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            pieces = [p if p.name in files else _from_fused(p, model.cfg, files) or replace(p, name=_fallback(p.name))
+            pieces = [p if p.name in files
+                      else _from_fused(p, model.cfg, files) or replace(p, name=_fallback(p.name, files))
                       for p in model.checkpoint_pieces(name)]
             if any(p.name not in files for p in pieces):
                 missing.append(name)
@@ -106,9 +107,16 @@ def _from_fused(piece: Piece, cfg: ModelConfig, files: dict[str, Path]) -> Piece
     return Piece(f"{base}.{fused}.{param}", 0, offset + start, offset + stop)
 
 
-def _fallback(name: str) -> str:
-    """Some tied checkpoints still say tie_word_embeddings=false but store no lm_head."""
-    return "model.embed_tokens.weight" if name == "lm_head.weight" else name
+def _fallback(name: str, files: dict[str, Path]) -> str:
+    """Where a checkpoint keeps `name` under another name: a multimodal folder's text model (Gemma 3
+    4B and up: `language_model.model.…` as saved, `model.language_model.…` as transformers 5 names
+    its modules), and the embeddings for a head some tied checkpoints store no lm_head for (even
+    when their config says tie_word_embeddings false)."""
+    for wanted in [name] + (["model.embed_tokens.weight"] if name == "lm_head.weight" else []):
+        for spelled in (wanted, f"language_model.{wanted}", wanted.replace("model.", "model.language_model.", 1)):
+            if spelled in files:
+                return spelled
+    return name
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

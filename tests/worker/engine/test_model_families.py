@@ -190,3 +190,35 @@ def test_phi3_long_rope_is_served_exactly_within_its_original_context(partial, t
         long_factor=[1.0] * pairs))
     with pytest.raises(ValueError, match=f"short_factor in config.json must have rotary dims / 2 = {pairs} numbers"):
         read_model_config(short)
+
+
+def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, gemma_dir, random_prompts):
+    """Gemma 3 4B and up are Gemma3ForConditionalGeneration folders: a text_config, the text model's
+    weights under language_model.model.*, a vision tower beside. kvgate serves the text model."""
+    import transformers
+
+    text = json.loads((gemma_dir / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "sliding_window", "layer_types", "query_pre_attn_scalar",
+            "final_logit_softcapping", "rope_parameters", "max_position_embeddings")
+    config = transformers.Gemma3Config(
+        text_config={k: text[k] for k in keep}, mm_tokens_per_image=4,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14))
+    torch.manual_seed(2)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3 if param.dim() == 1 else 0.08)
+    folder = tmp_path / "gemma-3-mm"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(gemma_dir / name, folder / name)
+    assert "text_config" in json.loads((folder / "config.json").read_text())
+    cfg = read_model_config(folder)
+    assert (cfg.arch, cfg.num_layers, cfg.layer_windows, cfg.tie_word_embeddings) == ("gemma3", 4, (24, None) * 2, True)
+    prompts = random_prompts(3, 20, 60, seed=11)
+    with torch.no_grad():  # the multimodal model's own generate, on text alone
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                   eos_token_id=text["eos_token_id"])[0, len(p):].tolist() for p in prompts]
+    assert tokens(LLM(folder).generate(prompts, GREEDY)) == expected
