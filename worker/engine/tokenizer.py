@@ -8,10 +8,18 @@ from worker.engine.types import EngineRejected
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The folder's own tokenizer; local files only, so a worker never reaches the network."""
+    """The folder's own tokenizer; local files only, so a worker never reaches the network. A
+    multimodal folder (Gemma 3 4B and up) may keep its chat template only in chat_template.json,
+    the processor's file, which AutoTokenizer does not read: the template is taken from there."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_config_for(Path(model_dir)))
+    model_dir = Path(model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **_config_for(model_dir))
+    if getattr(tokenizer, "chat_template", None) is None:
+        template = _json(model_dir / "chat_template.json").get("chat_template")
+        if isinstance(template, str):
+            tokenizer.chat_template = template
+    return tokenizer
 
 
 def _config_for(model_dir: Path) -> dict:

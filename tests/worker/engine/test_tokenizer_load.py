@@ -73,3 +73,16 @@ def test_loading_it_does_not_import_the_models_configuration_module(tmp_path, sa
                          cwd=Path(__file__).resolve().parents[3])
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_a_processors_chat_template_json_is_read_where_the_tokenizer_has_none(tmp_path, saved):
+    folder, template = _folder(tmp_path, saved, "gemma3", "saved"), load_tokenizer(saved).chat_template
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    assert load_tokenizer(folder).chat_template is None
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    messages = [{"role": "user", "content": "hi"}]
+    got = load_tokenizer(folder).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert got == load_tokenizer(saved).apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
