@@ -201,7 +201,12 @@ class Admission:
         rid = entry.request_id
         prompt_ids = prompt()
         self.faults.crash_if_marked(entry.prompt, entry.messages)
-        params = to_sampling_params(entry, self.engine.max_model_len - len(prompt_ids), self.model_defaults)
+        room = self.engine.max_model_len - len(prompt_ids)
+        if room < 1 and entry.params.max_tokens is None:  # the engine's words would name a max_tokens of 1
+            raise EngineRejected(f"the prompt ({len(prompt_ids)} tokens) leaves no room for a reply within "
+                                 f"max_model_len of {self.engine.max_model_len} tokens (at least 1 token is "
+                                 "generated; the request set no max_tokens)")
+        params = to_sampling_params(entry, room, self.model_defaults)
         resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
         self.engine.add_request(rid, prompt_ids, params, resume, tenant=p.claim.tenant or None)
         self.outbox.logs.start(rid, ckpt.size)

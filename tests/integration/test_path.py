@@ -76,14 +76,16 @@ LONG_TEXT = "lorem ipsum dolor " * 1000  # over 2,048 tokens (the tiny model's c
 def test_a_stream_over_the_context_is_a_400_before_any_byte(client, stack):
     """Only the worker can count a text prompt's tokens: the gateway waits for its verdict."""
     context = stack.worker_info()["max_model_len"]
-    calls = [lambda: client.completions.create(model="demo", prompt=LONG_TEXT, max_tokens=8,
-                                               stream=True),
-             lambda: client.chat.completions.create(  # and without max_tokens
-                 model="demo", messages=[{"role": "user", "content": LONG_TEXT}], stream=True)]
-    for call in calls:
+    calls = [(lambda: client.completions.create(model="demo", prompt=LONG_TEXT, max_tokens=8, stream=True),
+              "+ max_tokens (8)"),
+             (lambda: client.chat.completions.create(  # and without max_tokens: not named as if it were 1
+                 model="demo", messages=[{"role": "user", "content": LONG_TEXT}], stream=True),
+              "the request set no max_tokens")]
+    for call, says in calls:
         with pytest.raises(openai.BadRequestError) as refused:
             call()
         assert refused.value.code == "context_length_exceeded" and str(context) in refused.value.message
+        assert says in refused.value.message
         assert refused.value.response.headers["content-type"] == "application/json"
         assert refused.value.response.headers["x-kvgate-version"] == "v1"
 
