@@ -39,10 +39,10 @@ def served_context(requested: int | None, cfg: ModelConfig) -> int:
     """The model's context, or the lowest cap on it (worker/models/config.py: LongRoPE's original
     context), said in a warning: past the cap the outputs would not be the model's. An explicit
     --max-model-len past it is a start-up error."""
-    caps = cfg.context_caps()
-    if not caps:
+    capped = cfg.context_cap()
+    if capped is None:
         return cfg.max_position_embeddings
-    cap, why = min(caps)
+    cap, why = capped
     if requested is not None and requested > cap:
         raise ValueError(f"--max-model-len {requested} is past this model's {why}, {cap} tokens: kvgate "
                          f"serves the model exactly up to there; lower --max-model-len to at most {cap}")

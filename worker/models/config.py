@@ -3,12 +3,14 @@ new spellings alike).
 
 Mistral is Llama's module with a sliding attention window (`layer_windows`: each layer's); Phi-3 is
 Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loader.py reads its
-parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`).
-One thing caps the context served below the model's (`ModelConfig.context_caps`), where the model
-computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants), whose short
-factors hold up to the original context and whose long ones, past it, would change every
-position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings outside
-Phi-3, an activation other than SiLU, a quantized checkpoint) is refused here, by name."""
+parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`);
+Gemma 3 is worker/models/gemma.py's, on the same attention. One thing caps the context served below
+the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and
+no further: LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context
+and whose long ones, past it, would change every position's rotation at once — which neither a paged
+cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings
+outside Phi-3, an activation other than its family's, Gemma 2's attention soft-cap, a quantized
+checkpoint) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -24,7 +26,7 @@ ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pr
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | phi3 | qwen2 | qwen3
+    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma3
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -57,16 +59,17 @@ class ModelConfig:
 
     @property
     def max_context(self) -> int:
-        """The longest sequence served: the model's context, or the lowest of its caps."""
-        return min([self.max_position_embeddings] + [n for n, _ in self.context_caps()])
+        """The longest sequence served: the model's context, or its cap."""
+        cap = self.context_cap()
+        return self.max_position_embeddings if cap is None else cap[0]
 
-    def context_caps(self) -> list[tuple[int, str]]:
-        """(tokens, why) for each limit below the model's context that kvgate serves it within."""
-        caps, scaling = [], self.rope_scaling or {}
+    def context_cap(self) -> tuple[int, str] | None:
+        """(tokens, why) of a limit below the model's context that kvgate serves it within, if any."""
+        scaling = self.rope_scaling or {}
         old = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
         if scaling.get("rope_type") == "longrope" and old < self.max_position_embeddings:
-            caps.append((old, "LongRoPE original context"))  # past it: the long factors, for every position
-        return caps
+            return old, "LongRoPE original context"  # past it: the long factors, for every position
+        return None
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
@@ -80,7 +83,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     windows = tuple(_layer_windows(raw, arch))
     theta, scaling, local_theta = (_gemma_ropes(raw, max_position_embeddings) if arch == "gemma3"
                                    else (*_rope(raw, arch, max_position_embeddings), None))
-    _refuse_what_differs(raw, arch, scaling)
+    _refuse_what_differs(raw, arch, scaling, head_dim)
     bias = raw.get("attention_bias", False)
     return ModelConfig(
         arch=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
@@ -122,12 +125,11 @@ def _arch(raw: dict) -> str:
     raise ValueError(f"unsupported architecture {raw.get('architectures')}; supported: {sorted(ARCHITECTURES)}")
 
 
-def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None) -> None:
+def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: int) -> None:
     """A folder whose config asks for what the module does not compute fails to load, saying what."""
     kind = scaling["rope_type"] if scaling else "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {kind!r} in config.json ({arch}); supported: {', '.join(ROPE_TYPES)}")
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
     partial = _partial_rotary(raw)
     rot = int(head_dim * partial)
     if partial != 1.0 and (arch != "phi3" or rot % 2 or rot <= 0):
