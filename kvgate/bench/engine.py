@@ -149,9 +149,15 @@ def hf_static(model, reqs, batch: int = 8) -> float:
 
 def matmul_params(engine: LLMEngine) -> int:
     """Weights that take part in a matmul per token: every layer plus lm_head, not the embedding lookup
-    (a weight in the native GEMM's panels counts its real output width, not the padding)."""
-    return sum(p.n_out * p.shape[1] if p.dim() == 3 else p.numel()
-               for name, p in engine.runner.model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in name)
+    (a weight in the native GEMM's panels counts its real output width, not the padding); of a
+    mixture of experts' experts, the top k a token goes through."""
+    moe = engine.model_config.moe
+    total = 0.0
+    for name, p in engine.runner.model.named_parameters():
+        if p.dim() >= 2 and "embed_tokens" not in name:
+            size = p.n_out * p.shape[1] if p.dim() == 3 else p.numel()
+            total += size * moe.top_k / moe.num_experts if moe is not None and ".experts." in name else size
+    return round(total)
 
 
 def run_engine(engine: LLMEngine, reqs, on_step=None) -> dict:

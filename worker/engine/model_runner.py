@@ -172,8 +172,12 @@ class ModelRunner:
     @torch.inference_mode()
     def _build_decode_graphs(self, config: EngineConfig) -> DecodeGraphs | None:
         """Triton only: its decode step reads nothing on the host that changes between steps.
-        Captured on CUDA once the KV caches exist; on CPU only `pad_decode_eagerly` builds it."""
+        Captured on CUDA once the KV caches exist; on CPU only `pad_decode_eagerly` builds it.
+        Not for a mixture of experts: its routing reads each expert's row count on the host."""
         if self.backend.name != "triton" or config.enforce_eager:
+            return None
+        if self.model.cfg.moe is not None:
+            log.info("decode steps run without CUDA graphs: the mixture of experts routes on the host")
             return None
         if self.device.type != "cuda" and not config.pad_decode_eagerly:
             return None

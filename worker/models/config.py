@@ -4,7 +4,9 @@ new spellings alike).
 Mistral is Llama's module with a sliding attention window (`layer_windows`: each layer's); Phi-3 is
 Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loader.py reads its
 parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`);
-Gemma 3 is worker/models/gemma.py's, on the same attention. One thing caps the context served below
+Gemma 3 is worker/models/gemma.py's, on the same attention; Mixtral, Qwen2-MoE and Qwen3-MoE are
+Llama's, Qwen2's and Qwen3's with a sparse mixture of experts in place of the MLP (`moe`:
+worker/models/moe.py). One thing caps the context served below
 the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and
 no further: LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context
 and whose long ones, past it, would change every position's rotation at once — which neither a paged
@@ -19,14 +21,32 @@ from pathlib import Path
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
-                 "Gemma3ForConditionalGeneration": "gemma3"}  # its text model: images are not served
+                 "Gemma3ForConditionalGeneration": "gemma3",  # its text model: images are not served
+                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
 
 
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse mixture of experts, as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE route: softmax
+    over the router's logits in fp32, the top k experts, their weights renormalised to sum to 1
+    where `norm_topk_prob` (always in Mixtral), cast to the model's dtype except in Mixtral."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool
+    weights_fp32: bool  # Mixtral multiplies by the fp32 weights; the Qwens cast them first
+    shared_intermediate_size: int | None  # Qwen2-MoE's shared expert (sigmoid-gated), else None
+    sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+
+
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma3
+    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma3 | mixtral | qwen2_moe | qwen3_moe
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -51,6 +71,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     logit_softcap: float | None = None
     local_rope_theta: float | None = None
+    moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
 
     @property
     def sliding_window(self) -> int | None:
@@ -94,13 +115,31 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
         tie_word_embeddings=raw.get("tie_word_embeddings", arch == "gemma3"),  # Gemma's default: tied
-        qkv_bias=True if arch == "qwen2" else bias, o_bias=False if arch == "qwen2" else bias,
-        mlp_bias=raw.get("mlp_bias", False), qk_norm=arch in ("qwen3", "gemma3"),
+        qkv_bias=True if arch in QWEN2 else bias, o_bias=False if arch in QWEN2 else bias,
+        mlp_bias=raw.get("mlp_bias", False), qk_norm=arch in (*QWEN3, "gemma3"),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if arch == "gemma3" else None,
         logit_softcap=raw.get("final_logit_softcapping") if arch == "gemma3" else None,
-        local_rope_theta=local_theta,
+        local_rope_theta=local_theta, moe=_moe(raw, arch),
     )
+
+
+def _moe(raw: dict, arch: str) -> MoeConfig | None:
+    """Mixtral's experts are intermediate_size wide and in every layer; the Qwens' are
+    moe_intermediate_size wide, in every decoder_sparse_step-th layer not in mlp_only_layers."""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return None
+    experts = raw.get("num_local_experts") or raw.get("num_experts")
+    top_k, layers = raw.get("num_experts_per_tok", 2), raw["num_hidden_layers"]
+    if not experts or not 0 < top_k <= experts:
+        raise ValueError(f"a {arch} folder needs num_experts (here {experts}) and 0 < num_experts_per_tok "
+                         f"<= it (here {top_k}) in config.json")
+    if arch == "mixtral":
+        return MoeConfig(experts, top_k, raw["intermediate_size"], True, True, None, (True,) * layers)
+    step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or ())
+    shared = raw.get("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
+    return MoeConfig(experts, top_k, raw["moe_intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
+                     shared or None, tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
 
 
 def _text_part(raw: dict) -> dict:
@@ -179,12 +218,18 @@ def _partial_rotary(raw: dict) -> float:
 def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     """Each layer's sliding window, or None where it attends the whole sequence. transformers 5
     names each layer's kind in `layer_types`; older Qwen configs say `use_sliding_window` (layers
-    from `max_window_layers` on slide); Mistral and Phi-3 slide in every layer when they have one."""
+    from `max_window_layers` on slide); Mistral, Mixtral and Phi-3 slide in every layer when they
+    have one."""
     window, layers = raw.get("sliding_window"), raw["num_hidden_layers"]
     if not window or arch == "llama":  # transformers' Llama attends whole sequences whatever it says
         return [None] * layers
     if raw.get("layer_types") is not None:
         return [window if kind == "sliding_attention" else None for kind in raw["layer_types"]]
+    if arch == "qwen3_moe":  # transformers' Qwen3-MoE slides in every layer when it slides at all
+        return [window if raw.get("use_sliding_window", False) else None] * layers
+    if arch == "qwen2_moe":  # and its Qwen2-MoE in every other layer below max_window_layers
+        last = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else 0
+        return [window if i < last and i % 2 == 0 else None for i in range(layers)]
     if arch in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else layers
         return [window if i >= first else None for i in range(layers)]

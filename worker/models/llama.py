@@ -1,4 +1,5 @@
-"""Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family.
+"""Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family,
+and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer in place of the MLP).
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -13,6 +14,7 @@ into the next RMSNorm, q/k norm and rope in place in the qkv rows, SiLU x up in 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from worker.engine.attention import AttentionMetadata
 from worker.engine.cpu_native import CpuKernels
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear
+from worker.models.moe import SparseMoE, mixtral_name
 from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear,
                                     Shard, VocabParallelEmbedding)
 
@@ -190,16 +193,21 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE):
+    """SiLU(gate) x up, then down: `intermediate` wide (the config's unless said: an expert's);
+    under tensor parallelism `reduce` False leaves the ranks' partial outputs for the caller to sum."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard = SINGLE, intermediate: int | None = None,
+                 reduce: bool = True):
         super().__init__()
+        inter = intermediate or cfg.intermediate_size
         if shard.size == 1:
-            self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-            self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+            self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=cfg.mlp_bias)
+            self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
             return
-        first, n = shard.split(cfg.intermediate_size, "intermediate size")
+        first, n = shard.split(inter, "intermediate size")
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [("gate_proj", first, n), ("up_proj", first, n)],
                                                  cfg.mlp_bias)
-        self.down_proj = RowParallelLinear(first, n, cfg.hidden_size, cfg.mlp_bias, shard)
+        self.down_proj = RowParallelLinear(first, n, cfg.hidden_size, cfg.mlp_bias, shard, reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -210,12 +218,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None,
+                 sparse: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, shard, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, shard)
+        self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)
 
     def forward(self, h, cos, sin, kv_cache, meta):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
@@ -230,7 +239,9 @@ class Backbone(nn.Module):
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                           _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
                              if shard.size == 1 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, window) for window in cfg.layer_windows)
+        sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, window, moe)
+                                    for window, moe in zip(cfg.layer_windows, sparse))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -308,8 +319,8 @@ class CausalLM(nn.Module):
         module_name, _, param = name.rpartition(".")
         module = self.get_submodule(module_name)
         if hasattr(module, "pieces"):
-            return module.pieces(module_name, param)
-        for fused, parts in _FUSED.items():
-            if f".{fused}." in name:
-                return [Piece(name.replace(fused, part)) for part in parts]
-        return [Piece(name)]
+            pieces = module.pieces(module_name, param)
+        else:
+            pieces = next(([Piece(name.replace(fused, part)) for part in parts]
+                           for fused, parts in _FUSED.items() if f".{fused}." in name), [Piece(name)])
+        return [replace(p, name=mixtral_name(p.name)) for p in pieces] if self.cfg.arch == "mixtral" else pieces

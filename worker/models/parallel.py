@@ -95,6 +95,10 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
         shard.split(cfg.num_heads, "attention heads")
         shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)
         shard.split(cfg.intermediate_size, "intermediate size")
+        if cfg.moe is not None:
+            shard.split(cfg.moe.intermediate_size, "experts' intermediate size")
+            if cfg.moe.shared_intermediate_size:
+                shard.split(cfg.moe.shared_intermediate_size, "shared expert's intermediate size")
 
 
 class ColumnParallelLinear(Linear):
@@ -111,11 +115,14 @@ class ColumnParallelLinear(Linear):
 
 
 class RowParallelLinear(Linear):
-    """Input features split: partial products summed across ranks; the bias added once, after."""
+    """Input features split: partial products summed across ranks; the bias added once, after.
+    With `reduce` False the partial product is returned for the caller to sum (a mixture of
+    experts adds its experts' partials first and all-reduces once); rank 0's carries the bias."""
 
-    def __init__(self, in_start: int, in_features: int, out_features: int, bias: bool, shard: Shard):
+    def __init__(self, in_start: int, in_features: int, out_features: int, bias: bool, shard: Shard,
+                 reduce: bool = True):
         super().__init__(in_features, out_features, bias=bias)
-        self.in_start, self.shard = in_start, shard
+        self.in_start, self.shard, self.reduce = in_start, shard, reduce
 
     def pieces(self, prefix: str, param: str) -> list[Piece]:
         if param == "bias":
@@ -123,8 +130,10 @@ class RowParallelLinear(Linear):
         return [Piece(f"{prefix}.weight", 1, self.in_start, self.in_start + self.in_features)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.shard.all_reduce(linear(x, self.weight, None))
-        return y if self.bias is None else y + self.bias
+        y = linear(x, self.weight, None)
+        if self.reduce:
+            y = self.shard.all_reduce(y)
+        return y if self.bias is None or not (self.reduce or self.shard.rank == 0) else y + self.bias
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -222,3 +222,60 @@ def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, gemma_dir, r
         expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
                                    eos_token_id=text["eos_token_id"])[0, len(p):].tolist() for p in prompts]
     assert tokens(LLM(folder).generate(prompts, GREEDY)) == expected
+
+
+MOE = {  # name: (arch, config fields); hidden 64, 2 layers (conftest's TINY)
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                                  shared_expert_intermediate_size=48)),
+    "qwen3-moe-a-dense-layer": ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                                  norm_topk_prob=True, mlp_only_layers=[1])),
+}
+
+
+@pytest.mark.parametrize("name", list(MOE))
+def test_a_mixture_of_experts_matches_transformers(name, build_tiny, random_prompts, hf_greedy):
+    """Mixtral (renormalised fp32 weights, its block_sparse_moe names), Qwen2-MoE (a sigmoid-gated
+    shared expert, weights not renormalised) and Qwen3-MoE (renormalised; a dense layer among the
+    sparse): greedy on the native and the torch paths, prefilled in chunks and from the prefix cache;
+    the routing's weights (which greedy alone barely sees) through the top-5 logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    arch, extra = MOE[name]
+    model_dir = build_tiny(f"moe-{name}", arch, config_extra=extra)
+    prompts = random_prompts(4, 20, 90, seed=11)
+    expected = hf_greedy(model_dir, prompts, 16)
+    for backend in ("auto", "torch"):
+        llm = LLM(model_dir, attention_backend=backend, max_num_batched_tokens=32)
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+        assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
+    if name == "mixtral-window":  # the Triton kernels (interpreted), which would capture decode in CUDA graphs
+        triton = LLM(model_dir, attention_backend="triton", pad_decode_eagerly=True)
+        assert triton.engine.runner.decode_graphs is None  # routing reads row counts on the host
+        assert tokens(triton.generate(prompts[:2], GREEDY)) == expected[:2]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1).topk(5)
+    got = result.outputs[0].logprobs[0]
+    assert [t for t, _ in got.top] == want.indices.tolist()
+    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
+
+
+def test_a_mixture_of_experts_config_reads_as_transformers_builds_it(tmp_path, build_tiny):
+    """Which layers are sparse (decoder_sparse_step, mlp_only_layers), each expert's width, the
+    routing's options; Mixtral's sliding window in every layer; a top k above the experts refused."""
+    qwen = build_tiny("moe-qwen3-moe-a-dense-layer", "qwen3_moe", config_extra=MOE["qwen3-moe-a-dense-layer"][1])
+    moe = read_model_config(qwen).moe
+    assert (moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob, moe.weights_fp32) == (8, 3, 32, True, False)
+    assert moe.sparse_layers == (True, False) and moe.shared_intermediate_size is None
+    stepped = rewritten(qwen, tmp_path / "step", num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3])
+    assert read_model_config(stepped).moe.sparse_layers == (False, True, False, False)
+    mixtral = read_model_config(build_tiny("moe-mixtral-window", "mixtral", config_extra=MOE["mixtral-window"][1]))
+    assert mixtral.layer_windows == (24, 24) and mixtral.moe.weights_fp32 and mixtral.moe.intermediate_size == 128
+    assert read_model_config(qwen).layer_windows == (None, None)
+    hub = rewritten(qwen, tmp_path / "hub", num_local_experts=None, num_experts=8)  # the Hub's spelling
+    assert read_model_config(hub) == read_model_config(qwen)
+    with pytest.raises(ValueError, match=r"0 < num_experts_per_tok <= it \(here 9\)"):
+        read_model_config(rewritten(qwen, tmp_path / "topk", num_experts_per_tok=9))

@@ -1,7 +1,8 @@
 """Tensor parallelism on CPU (gloo, two real processes): TP = 2 is token-exact with TP = 1 and with
 transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV head: replicated),
-Qwen3 (per-head q/k norm), Phi-3 (q/k/v and gate/up fused in the checkpoint) and Gemma 3 (sliding
-layers past their window), with the prefix cache, preemption and seeded sampling as at TP = 1."""
+Qwen3 (per-head q/k norm), Phi-3 (q/k/v and gate/up fused in the checkpoint), Gemma 3 (sliding
+layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert), with the prefix
+cache, preemption and seeded sampling as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,10 @@ MODELS = {  # name: (arch, overrides)
     "phi3-fused-checkpoint": ("phi3", dict(num_kv_heads=2)),  # each rank slices qkv_proj / gate_up_proj
     "gemma3-sliding": ("gemma3", dict(num_kv_heads=2, head_dim=16, tie_word_embeddings=True, config_extra=dict(
         sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=16, final_logit_softcapping=30.0))),
+    # each rank a slice of every expert (Mixtral's w1/w3 rows, w2 columns), one all-reduce a layer
+    "mixtral-experts": ("mixtral", dict(num_kv_heads=2, config_extra=dict(num_local_experts=4, num_experts_per_tok=2))),
+    "qwen2-moe-shared-expert": ("qwen2_moe", dict(num_kv_heads=2, config_extra=dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48))),
 }
 
 
