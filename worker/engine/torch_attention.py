@@ -43,9 +43,13 @@ class TorchAttention:
         v_cache.view(-1, heads, dim).index_copy_(0, slot_mapping, value)
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+               meta: AttentionMetadata, scale: float, window: int | None = None,
+               softcap: float | None = None) -> torch.Tensor:
+        """`window`: a sliding window's width; `softcap`: Gemma 2's attention soft-cap (scores
+        become softcap * tanh(score / softcap) before the softmax), which SDPA cannot apply: its
+        layers take the explicit softmax (`_attention`)."""
         if meta.is_decode_only:
-            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window)
+            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, softcap)
         out = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -53,20 +57,21 @@ class TorchAttention:
             rows = torch.tensor(decode_rows, device=query.device)
             tokens = torch.tensor([starts[b] for b in decode_rows], device=query.device)
             out[tokens] = self._decode(query[tokens], k_cache, v_cache, meta.block_tables[rows],
-                                       meta.seq_lens[rows], scale, window)
+                                       meta.seq_lens[rows], scale, window, softcap)
         for b, (n, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if n > 1:
                 q = query[starts[b]:starts[b] + n]
                 out[starts[b]:starts[b] + n] = self._prefill(q, k_cache, v_cache, meta.block_tables[b],
-                                                             seq_len, scale, window)
+                                                             seq_len, scale, window, softcap)
         return out
 
-    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window=None) -> torch.Tensor:
+    def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window=None,
+                softcap=None) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; GQA groups ride along as extra query rows per KV head."""
         kernels = self.kernels
         if kernels is not None and kernels.usable(query, k_cache, v_cache) and k_cache.is_contiguous() \
                 and v_cache.is_contiguous():
-            return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window)
+            return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         max_len = int(seq_lens.max())
@@ -79,7 +84,7 @@ class TorchAttention:
         if window:
             mask &= keys >= (seq_lens - window).unsqueeze(1)
         q = query.view(batch, kv_heads, num_heads // kv_heads, dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        out = _attention(q, k, v, mask[:, None, None, :], scale, softcap)
         return out.reshape(batch, num_heads, dim)
 
     def _gather(self, name: str, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -95,7 +100,7 @@ class TorchAttention:
 
     @staticmethod
     def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """query [n, Hq, D], the last n of seq_len positions; causal over the cached context (within
         the last `window` positions of each query's, with one).
         4-D inputs with K/V expanded to every query head keep SDPA on its flash kernel on CPU
@@ -109,12 +114,22 @@ class TorchAttention:
             k, v = k.repeat_interleave(num_heads // kv_heads, 0), v.repeat_interleave(num_heads // kv_heads, 0)
         q, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         windowed = window is not None and window < seq_len
-        if n == seq_len and not windowed:
+        if n == seq_len and not windowed and softcap is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             pos, keys = torch.arange(seq_len - n, seq_len, device=query.device), torch.arange(seq_len, device=query.device)
             mask = keys <= pos.unsqueeze(1)
             if windowed:
                 mask &= keys > (pos - window).unsqueeze(1)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+            out = _attention(q, k, v, mask, scale, softcap)
         return out[0].transpose(0, 1)
+
+
+def _attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA with a boolean mask; with a soft-cap, the softmax spelled out as transformers' eager
+    attention computes it (scaled scores / cap, tanh, x cap, masked, softmax in fp32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(q @ k.transpose(-2, -1) * scale / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    return probs.to(q.dtype) @ v

@@ -5,7 +5,8 @@ Flash-decoding: each sequence's context is cut into NUM_SPLITS equal parts, one 
 the kv head (GQA), and a second kernel merges the partials by their log-sum-exp. A sequence's split
 length is computed in the kernel from its own length, so ragged batches stay balanced and the grid
 depends only on tensor shapes (a captured CUDA graph stays valid for any lengths). With a sliding
-window (window > 0) the splits cover the last `window` keys only.
+window (window > 0) the splits cover the last `window` keys only. With a soft-cap (Gemma 2's
+SOFTCAP > 0) each score becomes SOFTCAP * tanh(score / SOFTCAP) before the softmax.
 """
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 EMPTY_LSE = tl.constexpr(-1.0e30)  # log-sum-exp of a split that saw no keys: weight 0 in the merge, never NaN
+
+
+@triton.jit
+def soft_cap(qk, SOFTCAP: tl.constexpr):
+    """Scores in base-2 units (x log2(e)) soft-capped as cap * tanh(score / cap) in natural units,
+    tanh(x) = 1 - 2 / (exp(2x) + 1) (exp's overflow gives 1, its underflow -1: no NaN)."""
+    x = qk / (1.4426950408889634 * SOFTCAP)
+    return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * 1.4426950408889634)
 
 
 # the table's width changes every step, a window per layer: one compile for all of them
@@ -32,7 +41,7 @@ def _decode_partial_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,6 +74,8 @@ def _decode_partial_kernel(
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:
+            qk = soft_cap(qk, SOFTCAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -111,9 +122,10 @@ def _decode_merge_kernel(
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_kv_splits: int = 1, block_n: int = 64, num_stages: int = 2,
-                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its paged context (its
-    last `window` keys, with a sliding window).
+    last `window` keys, with a sliding window; scores soft-capped with a `softcap`).
 
     seq_lens[b] counts the whole context including the new token, whose K/V are already written.
     A sequence of length 0 (a padding row) gets zeros.
@@ -146,7 +158,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         BLOCK_H=max(16, triton.next_power_of_2(kv_group)),  # tl.dot needs M >= 16
         BLOCK_N=block_n, BLOCK_D=block_d,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32
-        num_warps=4, num_stages=num_stages,
+        SOFTCAP=float(softcap or 0.0), num_warps=4, num_stages=num_stages,
     )
     _decode_merge_kernel[(num_seqs, q_heads)](
         part_out, part_lse, out,

@@ -6,13 +6,16 @@ before attention runs, so every key is read from the cache the same way. One pro
 BLOCK_Q new tokens times all query heads of one kv head (GQA rows packed into the tile's M side),
 so each K/V tile is loaded once per kv head, and a decode row (query_len 1) costs one small tile.
 With a sliding window (window > 0) a row at position p reads keys (p - window, p] only, and a tile
-starts at the first key its earliest row sees.
+starts at the first key its earliest row sees. A soft-cap (SOFTCAP > 0, Gemma 2's) caps each
+score as the decode kernel does (`soft_cap`).
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from worker.kernels.decode_attention import soft_cap
 
 LOG2E = 1.4426950408889634
 NO_SCORE = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2 never sees inf - inf
@@ -32,7 +35,7 @@ def _extend_kernel(
     stride_bt,
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     seq = tl.program_id(0)
@@ -73,6 +76,8 @@ def _extend_kernel(
         k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
                     + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP > 0:  # Gemma 2's: cap * tanh(score / cap)
+            qk = soft_cap(qk, SOFTCAP)
         in_window = (window == 0) | (offs_n[None, :] > q_pos[:, None] - window)
         causal = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :] & in_window
         qk = tl.where(causal, qk, float("-inf"))
@@ -104,8 +109,10 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                      block_m: int = 64, block_n: int = 64,
-                     out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
-    """Causal attention of a flattened batch of new tokens (query [T, Hq, D]) over paged contexts.
+                     out: torch.Tensor | None = None, window: int | None = None,
+                     softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of a flattened batch of new tokens (query [T, Hq, D]) over paged contexts
+    (soft-capped scores with a `softcap`).
 
     Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b] keys
     in the cache, this step's included. block_m is the tile height in (token, head) rows.
@@ -137,6 +144,6 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         KV_GROUP=kv_group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32
-        num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2,
+        SOFTCAP=float(softcap or 0.0), num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2,
     )
     return out

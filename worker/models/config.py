@@ -4,15 +4,15 @@ new spellings alike).
 Mistral is Llama's module with a sliding attention window (`layer_windows`: each layer's); Phi-3 is
 Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loader.py reads its
 parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`);
-Gemma 3 is worker/models/gemma.py's, on the same attention; Mixtral, Qwen2-MoE and Qwen3-MoE are
+Gemma 2 and 3 are worker/models/gemma.py's, on the same attention; Mixtral, Qwen2-MoE and Qwen3-MoE are
 Llama's, Qwen2's and Qwen3's with a sparse mixture of experts in place of the MLP (`moe`:
 worker/models/moe.py). One thing caps the context served below
 the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and
 no further: LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context
 and whose long ones, past it, would change every position's rotation at once — which neither a paged
 cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings
-outside Phi-3, an activation other than its family's, Gemma 2's attention soft-cap, a quantized
-checkpoint) is refused here, by name."""
+outside Phi-3, an activation other than its family's, an attention soft-cap outside Gemma 2, a
+quantized checkpoint) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -22,9 +22,11 @@ from pathlib import Path
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
                  "Gemma3ForConditionalGeneration": "gemma3",  # its text model: images are not served
+                 "Gemma2ForCausalLM": "gemma2",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
+GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
 
@@ -46,7 +48,7 @@ class MoeConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma3 | mixtral | qwen2_moe | qwen3_moe
+    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -66,11 +68,13 @@ class ModelConfig:
     mlp_bias: bool
     qk_norm: bool
     dtype: str | None  # as the checkpoint was saved
-    # Gemma 3 (worker/models/gemma.py): attention scaled by query_pre_attn_scalar^-0.5, not head_dim's;
-    # logits soft-capped (tanh(x / cap) * cap); its sliding layers rotate by their own RoPE base
+    # Gemma 2 and 3 (worker/models/gemma.py): attention scaled by query_pre_attn_scalar^-0.5, not
+    # head_dim's; logits soft-capped (tanh(x / cap) * cap), Gemma 2's attention scores too; Gemma 3's
+    # sliding layers rotate by their own RoPE base
     query_pre_attn_scalar: float | None = None
     logit_softcap: float | None = None
     local_rope_theta: float | None = None
+    attn_softcap: float | None = None
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
 
     @property
@@ -104,6 +108,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     windows = tuple(_layer_windows(raw, arch))
     theta, scaling, local_theta = (_gemma_ropes(raw, max_position_embeddings) if arch == "gemma3"
                                    else (*_rope(raw, arch, max_position_embeddings), None))
+    gemma = arch in GEMMA
     _refuse_what_differs(raw, arch, scaling, head_dim)
     bias = raw.get("attention_bias", False)
     return ModelConfig(
@@ -114,13 +119,14 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
-        tie_word_embeddings=raw.get("tie_word_embeddings", arch == "gemma3"),  # Gemma's default: tied
+        tie_word_embeddings=raw.get("tie_word_embeddings", gemma),  # Gemma's default: tied
         qkv_bias=True if arch in QWEN2 else bias, o_bias=False if arch in QWEN2 else bias,
         mlp_bias=raw.get("mlp_bias", False), qk_norm=arch in (*QWEN3, "gemma3"),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if arch == "gemma3" else None,
-        logit_softcap=raw.get("final_logit_softcapping") if arch == "gemma3" else None,
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if gemma else None,
+        logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta, moe=_moe(raw, arch),
+        attn_softcap=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
     )
 
 
@@ -189,11 +195,12 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
     if act != wanted:
         raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")
     for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
-        if raw.get(name):  # Gemma 2's attention soft-cap; Gemma 3's embedding variants
-            raise ValueError(f"{name} {raw[name]!r} in config.json is not supported")
+        if raw.get(name) and not (name == "attn_logit_softcapping" and arch == "gemma2"):
+            # Gemma 2's attention soft-cap elsewhere (Gemma 3's had none); Gemma 3's embedding variants
+            raise ValueError(f"{name} {raw[name]!r} in config.json is not supported for a {arch} folder")
 
 
-_ACTIVATION = {"gemma3": "gelu_pytorch_tanh"}  # every other family: SiLU
+_ACTIVATION = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}  # every other family: SiLU
 
 
 def _gemma_ropes(raw: dict, max_position_embeddings: int) -> tuple[float, dict | None, float]:
@@ -233,8 +240,8 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     if arch in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else layers
         return [window if i >= first else None for i in range(layers)]
-    if arch == "gemma3":  # before layer_types: every sliding_window_pattern-th layer is a full one
-        pattern = raw.get("sliding_window_pattern", 6)
+    if arch in GEMMA:  # before layer_types: every sliding_window_pattern-th layer is a full one
+        pattern = raw.get("sliding_window_pattern", 6 if arch == "gemma3" else 2)
         return [window if (i + 1) % pattern else None for i in range(layers)]
     return [window] * layers
 

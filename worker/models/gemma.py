@@ -1,12 +1,15 @@
-"""Gemma 3 text models (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) on the Llama family's attention,
-linears and paged cache, with what Gemma does differently, each as transformers' Gemma3 computes it:
+"""Gemma 3 text models (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) and Gemma 2 on the Llama family's
+attention, linears and paged cache, with what Gemma does differently, each as transformers' Gemma3
+and Gemma2 compute it:
 
 - RMSNorm scales by (1 + w), in fp32, cast after (the checkpoint stores w around 0);
 - four norms a layer: the attention's and the MLP's outputs are normed before their residual adds;
 - the embeddings are multiplied by sqrt(hidden_size); the MLP is GELU (tanh) x up;
-- q/k RMSNorm per head; the scores scaled by query_pre_attn_scalar^-0.5;
-- sliding layers (five of six) attend a window with their own RoPE base (10,000), the full ones
-  with rope_theta (1,000,000, linearly scaled in the larger models);
+- q/k RMSNorm per head (Gemma 3); the scores scaled by query_pre_attn_scalar^-0.5;
+- sliding layers (Gemma 3: five of six) attend a window with their own RoPE base (10,000), the full
+  ones with rope_theta (1,000,000, linearly scaled in the larger models); Gemma 2's every other
+  layer, one RoPE for all;
+- Gemma 2's attention scores soft-capped (cap * tanh(score / cap), in every attention backend);
 - logits soft-capped where the config says so.
 
 It runs the torch path on every device (the native CPU kernels fuse Llama's norm order, not this
@@ -49,8 +52,10 @@ class GemmaDecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.self_attn = Attention(cfg, backend, shard, window)
-        self.self_attn.q_norm, self.self_attn.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
+        if cfg.qk_norm:
+            self.self_attn.q_norm, self.self_attn.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
         self.self_attn.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.self_attn.softcap = cfg.attn_softcap
         self.mlp = GemmaMLP(cfg, shard)
 
     def forward(self, h, cos, sin, kv_cache, meta):
@@ -68,7 +73,9 @@ class GemmaCausalLM(CausalLM):
 
     def init_rope(self, device: torch.device) -> None:
         super().init_rope(device)
-        self.local_inv_freq = rope_inv_freq(self.cfg.rotary_dim, self.cfg.local_rope_theta, None)[0].to(device)
+        theta = self.cfg.local_rope_theta
+        self.local_inv_freq = (self.inv_freq if theta is None  # Gemma 2: one RoPE for every layer
+                               else rope_inv_freq(self.cfg.rotary_dim, theta, None)[0].to(device))
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

@@ -159,6 +159,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = cfg.head_dim ** -0.5
+        self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -188,7 +189,7 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

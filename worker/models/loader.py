@@ -123,7 +123,7 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                attention, shard: Shard = SINGLE):
     """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors
     (under tensor parallelism: this rank's slices only)."""
-    if cfg.arch == "gemma3":
+    if cfg.arch in ("gemma2", "gemma3"):
         from worker.models.gemma import GemmaCausalLM as model_class
     else:
         model_class = CausalLM

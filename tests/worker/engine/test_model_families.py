@@ -113,6 +113,46 @@ def test_gemma3_matches_transformers(backend, gemma_dir, random_prompts, hf_gree
     assert [v for _, v in got.top] == pytest.approx(want.topk(5).values.tolist(), abs=1e-5)
 
 
+GEMMA2 = dict(head_dim=16, tie_word_embeddings=True, config_extra=dict(
+    sliding_window=24, query_pre_attn_scalar=16, final_logit_softcapping=30.0, attn_logit_softcapping=0.5))
+
+
+def test_gemma2_matches_transformers(tmp_path, build_tiny, random_prompts, hf_greedy):
+    """Gemma 2: Gemma 3's layer without q/k norms, every other layer sliding, one RoPE, and its
+    attention scores soft-capped (a cap of 0.5 here, so that greedy sees it) in every backend —
+    the native decode kernel, the torch paths and the (interpreted) Triton kernels; its (1 + w)
+    norms with weights not zero; the older config without layer_types reads the same."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny("gemma2", "gemma2", num_layers=4, **GEMMA2)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    cfg = read_model_config(folder)
+    assert (cfg.arch, cfg.layer_windows, cfg.attn_softcap, cfg.qk_norm) == ("gemma2", (24, None, 24, None), 0.5, False)
+    old = rewritten(folder, tmp_path / "old", layer_types=None, rope_parameters=None, rope_theta=10000.0)
+    assert read_model_config(old) == cfg
+    prompts = random_prompts(4, 20, 90, seed=12)
+    expected = hf_greedy(folder, prompts, 16)
+    for backend in ("auto", "torch"):
+        llm = LLM(folder, attention_backend=backend, max_num_batched_tokens=32)
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+        assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
+    triton = LLM(folder, attention_backend="triton", max_num_batched_tokens=32)
+    assert tokens(triton.generate(prompts[:2], GREEDY)) == expected[:2]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1).topk(5)
+    got = result.outputs[0].logprobs[0]
+    assert [t for t, _ in got.top] == want.indices.tolist()
+    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
+
+
 def test_gemma3_older_config_reads_the_same(tmp_path, gemma_dir):
     """transformers 4.x wrote rope_theta, rope_local_base_freq and sliding_window_pattern, no
     layer_types; a Gemma 2-style attention soft-cap is refused by name."""
@@ -155,7 +195,9 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
      "partial_rotary_factor 0.75 .*mistral folder's attention rotates all"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
     (dict(quantization_config=dict(quant_method="awq", bits=4)), r"quantization_config \(awq\)"),
-    (dict(architectures=["Gemma2ForCausalLM"], model_type="gemma2"), "unsupported architecture.*Gemma2ForCausalLM"),
+    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
+     "unsupported architecture.*DeepseekV3ForCausalLM"),
+    (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 in config.json is not supported for a mistral"),
 ])
 def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
     folder = rewritten(build_tiny("mistral", "mistral", config_extra=dict(sliding_window=None)),

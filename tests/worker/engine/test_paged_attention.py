@@ -11,12 +11,15 @@ from worker.engine.torch_attention import TorchAttention
 torch.set_num_threads(1)
 
 
-def naive(q, k, v, scale, window=None):
-    """q [n, Hq, D] = the last n positions of k/v [L, Hkv, D]; causal (within a sliding window)."""
+def naive(q, k, v, scale, window=None, softcap=None):
+    """q [n, Hq, D] = the last n positions of k/v [L, Hkv, D]; causal (within a sliding window;
+    scores soft-capped with a softcap)."""
     n, hq, _ = q.shape
     L, hkv, _ = k.shape
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
     scores = torch.einsum("nhd,lhd->hnl", q, k) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
     if window:
         visible &= torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None] - window
@@ -47,24 +50,27 @@ def batch(query_lens, seq_lens, hq=4, hkv=2, dim=8, bs=4, num_blocks=64, seed=0)
     return query, k_cache, v_cache, meta, contiguous
 
 
-@pytest.mark.parametrize("window", [None, 1, 6])
+@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (6, None), (None, 0.5), (6, 0.5)])
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("query_lens,seq_lens", [
     ([1, 1, 1, 1], [1, 5, 17, 40]),  # decode only, ragged
     ([3, 1, 9, 1], [3, 22, 13, 7]),  # prefill from scratch, chunk over a cached prefix, decodes
 ])
-def test_matches_naive_attention(native, query_lens, seq_lens, window):
+def test_matches_naive_attention(native, query_lens, seq_lens, window, softcap):
     if native and cpu_native.load(8) is None:
         pytest.skip("no C compiler here")
     query, k_cache, v_cache, meta, contiguous = batch(query_lens, seq_lens)
     backend = TorchAttention(native_decode=native)
     backend.prepare(query.shape[-1], query.dtype, query.device)  # where the native kernels are obtained
     assert (backend.kernels is not None) == native
-    out = backend.attend(query, k_cache, v_cache, meta, 0.3, window)
+    out = backend.attend(query, k_cache, v_cache, meta, 0.3, window, softcap)
     starts = meta.query_start_loc.tolist()
     for b, (k, v) in enumerate(contiguous):
         q = query[starts[b]:starts[b + 1]]
-        torch.testing.assert_close(out[starts[b]:starts[b + 1]], naive(q, k, v, 0.3, window), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[starts[b]:starts[b + 1]], naive(q, k, v, 0.3, window, softcap),
+                                   atol=1e-5, rtol=1e-5)
+    if softcap:  # Gemma 2's soft-cap changes the result (the longest context's row)
+        assert not torch.allclose(out[-1], naive(query[starts[-2]:], *contiguous[-1], 0.3, window)[-1], atol=1e-3)
 
 
 def test_write_kv_lands_in_the_slots():

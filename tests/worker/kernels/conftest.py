@@ -93,9 +93,11 @@ def make_batch(seq_lens: list[int], query_lens: list[int], *, q_heads: int = 4,
 
 
 def reference_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                        meta: AttentionMetadata, scale: float, window: int | None = None,
+                        softcap: float | None = None) -> torch.Tensor:
     """Gather each sequence's keys through its block table; causal softmax in fp32 (over keys
-    (p - window, p] for a query at p, with a sliding window)."""
+    (p - window, p] for a query at p, with a sliding window; of scores capped to
+    softcap * tanh(score / softcap), with a soft-cap)."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // kv_heads
     out = torch.empty_like(query)
@@ -108,6 +110,8 @@ def reference_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         values = v_cache[blocks, positions % block_size].float().repeat_interleave(group, dim=1)
         q = query[q0:q1].float()
         scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(n - (q1 - q0), n, device=query.device)
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
         if window:

@@ -47,3 +47,17 @@ def test_a_sliding_window_reads_the_last_keys_only(device, paged_batch, referenc
     want = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(got[-1], reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25)[-1])
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_a_soft_cap_caps_every_score(device, paged_batch, reference, splits):
+    """Gemma 2's cap * tanh(score / cap), with a window too; a cap of 0.5 changes every row."""
+    batch = paged_batch(RAGGED, [1] * len(RAGGED), q_heads=4, kv_heads=2, device=device)
+    for window in (None, 6):
+        got = decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                               batch.meta.seq_lens, 0.25, num_kv_splits=splits, block_n=16, window=window,
+                               softcap=0.5)
+        want = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window, softcap=0.5)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        uncapped = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window)
+        assert not torch.allclose(got[-1], uncapped[-1], atol=1e-3)
