@@ -22,11 +22,12 @@ from pathlib import Path
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
                  "Gemma3ForConditionalGeneration": "gemma3",  # its text model: images are not served
-                 "Gemma2ForCausalLM": "gemma2",
+                 "Gemma2ForCausalLM": "gemma2", "GraniteForCausalLM": "granite",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
 GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
+GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
 
@@ -48,7 +49,7 @@ class MoeConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe
+    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe | granite
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -76,6 +77,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     attn_softcap: float | None = None
     moe: MoeConfig | None = None  # the sparse MLP of a mixture-of-experts model
+    # Granite (Llama's layers, four scalars): embeddings x embedding_multiplier, each residual branch
+    # x residual_multiplier, scores scaled by attention_multiplier (not head_dim^-0.5), logits / logits_scaling
+    multipliers: dict[str, float] | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -127,6 +131,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta, moe=_moe(raw, arch),
         attn_softcap=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
+        multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch == "granite" else None,
     )
 
 

@@ -114,7 +114,7 @@ def _config(arch: str, **kw):
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "phi3": transformers.Phi3Config, "qwen2": transformers.Qwen2Config,
            "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
-           "gemma3": transformers.Gemma3TextConfig,
+           "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
     return cls(**kw)

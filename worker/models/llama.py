@@ -1,5 +1,6 @@
 """Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family,
-and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer in place of the MLP).
+and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer in place of the MLP);
+Granite is Llama's with four scalars (embeddings, residual branches, scores and logits scaled).
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -158,7 +159,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.backend = backend
 
@@ -226,10 +227,15 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, backend, shard, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)
+        self.residual_multiplier = cfg.multipliers["residual_multiplier"] if cfg.multipliers else None
 
     def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = h + self.branch(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta))
+        return h + self.branch(self.mlp(self.post_attention_layernorm(h)))
+
+    def branch(self, out: torch.Tensor) -> torch.Tensor:
+        """A residual branch's output as it is added: Granite's scaled by its residual multiplier."""
+        return out if self.residual_multiplier is None else out * self.residual_multiplier
 
 
 class Backbone(nn.Module):
@@ -270,7 +276,7 @@ class CausalLM(nn.Module):
         """Final hidden states [T, hidden] of the flattened batch."""
         if self.cpu_kernels is not None:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
-        h = self.model.embed_tokens(input_ids)
+        h = self._embed(input_ids)
         cos, sin = self._cos_sin(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer(h, cos, sin, kv_cache, meta)
@@ -281,15 +287,19 @@ class CausalLM(nn.Module):
         after it (the input norm of the next layer, the final norm after the last), in place on
         the residual stream h."""
         ops, layers = self.cpu_kernels, self.model.layers
-        h = self.model.embed_tokens(input_ids)  # a fresh tensor: the residual stream, updated in place
+        h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
         table = self._rope_table_for(positions, h.dtype)
         after_mlp = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         x = ops.add_rmsnorm(h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for layer, kv_cache, norm in zip(layers, kv_caches, after_mlp):
-            attn = layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops)
+            attn = layer.branch(layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops))
             x = ops.add_rmsnorm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            x = ops.add_rmsnorm(h, layer.mlp.forward_fused(x, ops), norm.weight, norm.eps)
+            x = ops.add_rmsnorm(h, layer.branch(layer.mlp.forward_fused(x, ops)), norm.weight, norm.eps)
         return x
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        return h * self.cfg.multipliers["embedding_multiplier"] if self.cfg.multipliers else h
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[T, 1, head_dim] each. On CPU looked up in a table grown as positions grow (the same
@@ -312,7 +322,8 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab]; under tensor parallelism only rank 0's are the whole rows."""
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        return logits / self.cfg.multipliers["logits_scaling"] if self.cfg.multipliers else logits
 
     def checkpoint_pieces(self, name: str) -> list[Piece]:
         """The checkpoint tensors (or this rank's slices of them) a parameter is the

@@ -322,3 +322,27 @@ def test_a_mixture_of_experts_config_reads_as_transformers_builds_it(tmp_path, b
     assert read_model_config(hub) == read_model_config(qwen)
     with pytest.raises(ValueError, match=r"0 < num_experts_per_tok <= it \(here 9\)"):
         read_model_config(rewritten(qwen, tmp_path / "topk", num_experts_per_tok=9))
+
+
+def test_granite_matches_transformers(build_tiny, random_prompts, hf_greedy):
+    """Granite 3: Llama's layers with embeddings, residual branches, scores and logits scaled (a
+    Granite-3.1-2B's four values), on the native and torch paths; the logits' scaling, invisible
+    to greedy, through the top-5 logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    scalars = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
+                   logits_scaling=8.0)
+    folder = build_tiny("granite", "granite", config_extra=scalars)
+    assert read_model_config(folder).multipliers == scalars
+    prompts = random_prompts(4, 20, 90, seed=13)
+    expected = hf_greedy(folder, prompts, 16)
+    for backend in ("auto", "torch"):
+        llm = LLM(folder, attention_backend=backend, max_num_batched_tokens=32)
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1).topk(5)
+    got = result.outputs[0].logprobs[0]
+    assert [t for t, _ in got.top] == want.indices.tolist()
+    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
