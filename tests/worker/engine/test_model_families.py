@@ -25,6 +25,44 @@ def tokens(results) -> list[list[int]]:
     return [r.token_ids for r in results]
 
 
+def assert_top5_logprobs_match(llm, folder, prompt: list[int]) -> None:
+    """The first token's top-5 logprobs are transformers' (1e-5): what greedy alone cannot see (a
+    monotonic soft-cap or scaling of the logits, GELU's tanh, the routing's weights)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    [result] = llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1], dim=-1).topk(5)
+    got = result.outputs[0].logprobs[0]
+    assert [t for t, _ in got.top] == want.indices.tolist()
+    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
+
+
+def exact_on_cpu_paths(folder, prompts: list[list[int]], expected: list[list[int]]) -> LLM:
+    """Greedy on the native and the torch paths, prefilled in chunks of 32, and again from the
+    prefix cache; the torch path's LLM back."""
+    for backend in ("auto", "torch"):
+        llm = LLM(folder, attention_backend=backend, max_num_batched_tokens=32)
+        assert tokens(llm.generate(prompts, GREEDY)) == expected
+        assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
+    return llm
+
+
+def with_norms_not_zero(folder, seed: int):
+    """The folder saved again with its norm weights drawn around 0, so Gemma's (1 + w) is tested."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.parametrize("name,arch,kw", [
     ("mistral", "mistral", dict(config_extra=dict(sliding_window=None))),
     ("phi3", "phi3", {}),
@@ -76,17 +114,7 @@ GEMMA = dict(head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=True, conf
 @pytest.fixture(scope="module")
 def gemma_dir(build_tiny):
     """A tiny Gemma 3 whose norm weights are not zero (so (1 + w) is tested), saved again."""
-    from transformers import AutoModelForCausalLM
-
-    folder = build_tiny("gemma3", "gemma3", num_layers=4, **GEMMA)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
-    return folder
+    return with_norms_not_zero(build_tiny("gemma3", "gemma3", num_layers=4, **GEMMA), seed=1)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -101,16 +129,7 @@ def test_gemma3_matches_transformers(backend, gemma_dir, random_prompts, hf_gree
     expected = hf_greedy(gemma_dir, prompts, 16)
     assert tokens(llm.generate(prompts, GREEDY)) == expected
     assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
-    # greedy cannot see a monotonic soft-cap, nor GELU's tanh approximation: the logprobs can
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32).eval()
-    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1)
-    got = result.outputs[0].logprobs[0]
-    assert [t for t, _ in got.top] == want.topk(5).indices.tolist()
-    assert [v for _, v in got.top] == pytest.approx(want.topk(5).values.tolist(), abs=1e-5)
+    assert_top5_logprobs_match(llm, gemma_dir, prompts[0])  # the soft-cap and GELU's tanh
 
 
 GEMMA2 = dict(head_dim=16, tie_word_embeddings=True, config_extra=dict(
@@ -122,35 +141,17 @@ def test_gemma2_matches_transformers(tmp_path, build_tiny, random_prompts, hf_gr
     attention scores soft-capped (a cap of 0.5 here, so that greedy sees it) in every backend —
     the native decode kernel, the torch paths and the (interpreted) Triton kernels; its (1 + w)
     norms with weights not zero; the older config without layer_types reads the same."""
-    from transformers import AutoModelForCausalLM
-
-    folder = build_tiny("gemma2", "gemma2", num_layers=4, **GEMMA2)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(folder)
+    folder = with_norms_not_zero(build_tiny("gemma2", "gemma2", num_layers=4, **GEMMA2), seed=2)
     cfg = read_model_config(folder)
     assert (cfg.arch, cfg.layer_windows, cfg.attn_softcap, cfg.qk_norm) == ("gemma2", (24, None, 24, None), 0.5, False)
     old = rewritten(folder, tmp_path / "old", layer_types=None, rope_parameters=None, rope_theta=10000.0)
     assert read_model_config(old) == cfg
     prompts = random_prompts(4, 20, 90, seed=12)
     expected = hf_greedy(folder, prompts, 16)
-    for backend in ("auto", "torch"):
-        llm = LLM(folder, attention_backend=backend, max_num_batched_tokens=32)
-        assert tokens(llm.generate(prompts, GREEDY)) == expected
-        assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
+    llm = exact_on_cpu_paths(folder, prompts, expected)
     triton = LLM(folder, attention_backend="triton", max_num_batched_tokens=32)
     assert tokens(triton.generate(prompts[:2], GREEDY)) == expected[:2]
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1).topk(5)
-    got = result.outputs[0].logprobs[0]
-    assert [t for t, _ in got.top] == want.indices.tolist()
-    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert_top5_logprobs_match(llm, folder, prompts[0])
 
 
 def test_gemma3_older_config_reads_the_same(tmp_path, gemma_dir):
@@ -282,27 +283,16 @@ def test_a_mixture_of_experts_matches_transformers(name, build_tiny, random_prom
     shared expert, weights not renormalised) and Qwen3-MoE (renormalised; a dense layer among the
     sparse): greedy on the native and the torch paths, prefilled in chunks and from the prefix cache;
     the routing's weights (which greedy alone barely sees) through the top-5 logprobs."""
-    from transformers import AutoModelForCausalLM
-
     arch, extra = MOE[name]
     model_dir = build_tiny(f"moe-{name}", arch, config_extra=extra)
     prompts = random_prompts(4, 20, 90, seed=11)
     expected = hf_greedy(model_dir, prompts, 16)
-    for backend in ("auto", "torch"):
-        llm = LLM(model_dir, attention_backend=backend, max_num_batched_tokens=32)
-        assert tokens(llm.generate(prompts, GREEDY)) == expected
-        assert tokens(llm.generate(prompts, GREEDY)) == expected  # prefix-cache hits
+    llm = exact_on_cpu_paths(model_dir, prompts, expected)
     if name == "mixtral-window":  # the Triton kernels (interpreted), which would capture decode in CUDA graphs
         triton = LLM(model_dir, attention_backend="triton", pad_decode_eagerly=True)
         assert triton.engine.runner.decode_graphs is None  # routing reads row counts on the host
         assert tokens(triton.generate(prompts[:2], GREEDY)) == expected[:2]
-    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1).topk(5)
-    got = result.outputs[0].logprobs[0]
-    assert [t for t, _ in got.top] == want.indices.tolist()
-    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert_top5_logprobs_match(llm, model_dir, prompts[0])
 
 
 def test_a_mixture_of_experts_config_reads_as_transformers_builds_it(tmp_path, build_tiny):
@@ -328,21 +318,10 @@ def test_granite_matches_transformers(build_tiny, random_prompts, hf_greedy):
     """Granite 3: Llama's layers with embeddings, residual branches, scores and logits scaled (a
     Granite-3.1-2B's four values), on the native and torch paths; the logits' scaling, invisible
     to greedy, through the top-5 logprobs."""
-    from transformers import AutoModelForCausalLM
-
     scalars = dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.015625,
                    logits_scaling=8.0)
     folder = build_tiny("granite", "granite", config_extra=scalars)
     assert read_model_config(folder).multipliers == scalars
     prompts = random_prompts(4, 20, 90, seed=13)
     expected = hf_greedy(folder, prompts, 16)
-    for backend in ("auto", "torch"):
-        llm = LLM(folder, attention_backend=backend, max_num_batched_tokens=32)
-        assert tokens(llm.generate(prompts, GREEDY)) == expected
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    [result] = llm.generate(prompts[:1], SamplingParams(max_tokens=1, temperature=0.0, logprobs=5))
-    with torch.no_grad():
-        want = torch.log_softmax(hf(torch.tensor(prompts[:1])).logits[0, -1], dim=-1).topk(5)
-    got = result.outputs[0].logprobs[0]
-    assert [t for t, _ in got.top] == want.indices.tolist()
-    assert [v for _, v in got.top] == pytest.approx(want.values.tolist(), abs=1e-5)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
