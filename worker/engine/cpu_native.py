@@ -78,13 +78,14 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int d = 0; d < HEAD_DIM; d++) dot += qh[d] * kh[d];
-            const float x = dot * scale; /* Gemma 2's soft-cap (softcap > 0): cap * tanh(x / cap) */
-            sc[h * W + t0 + o - first] = softcap > 0.f ? tanhf(x / softcap) * softcap : x;
+            sc[h * W + t0 + o - first] = dot * scale;
           }
         }
       }
       for (int h = 0; h < Hq; h++) {
         float* s = sc + h * W; float m = -FLT_MAX, sum = 0.f;
+        if (softcap > 0.f) /* Gemma 2's soft-cap, in a pass of its own: the score loop stays as it was */
+          for (int t = 0; t < W; t++) s[t] = tanhf(s[t] / softcap) * softcap;
         for (int t = 0; t < W; t++) m = s[t] > m ? s[t] : m;
         #pragma omp simd reduction(+:sum)
         for (int t = 0; t < W; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
