@@ -425,11 +425,14 @@ class CpuKernels:
                                  torch.get_num_threads())
         return out
 
-    def head_rmsnorm_(self, qkv: torch.Tensor, col: int, heads: int, weight: torch.Tensor, eps: float) -> None:
-        """RMSNorm per head, in place, of `heads` heads from column `col` of each [T, width] row."""
-        assert qkv.is_contiguous() and col + heads * self.head_dim <= qkv.shape[1]
+    def head_rmsnorm_(self, qkv: torch.Tensor, col: int, heads: int, weight: torch.Tensor, eps: float,
+                      dim: int | None = None) -> None:
+        """RMSNorm per head, in place, of `heads` heads from column `col` of each [T, width] row;
+        heads of `dim` values (OLMo's norm over all of q's heads: one head of q's width), else head_dim."""
+        dim = dim or self.head_dim
+        assert qkv.is_contiguous() and col + heads * dim <= qkv.shape[1] and weight.numel() == dim
         self.lib.head_rmsnorm_f32(qkv.data_ptr(), weight.data_ptr(), qkv.shape[0], qkv.shape[1], col, heads,
-                                  self.head_dim, eps, torch.get_num_threads())
+                                  dim, eps, torch.get_num_threads())
 
     def rope_(self, qkv: torch.Tensor, positions: torch.Tensor, table: torch.Tensor, heads: int) -> None:
         """The first `heads` heads of each row rotated in place; table [positions, 2, rotary dim]

@@ -6,11 +6,14 @@ Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loa
 parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`);
 Gemma 2 and 3 are worker/models/gemma.py's, on the same attention; Mixtral, Qwen2-MoE and Qwen3-MoE are
 Llama's, Qwen2's and Qwen3's with a sparse mixture of experts in place of the MLP (`moe`:
-worker/models/moe.py). One thing caps the context served below
-the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and
-no further: LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context
-and whose long ones, past it, would change every position's rotation at once — which neither a paged
-cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings
+worker/models/moe.py); OLMo 2 and 3 are worker/models/olmo.py's (each branch normed after it, q and k
+each normed across all their heads; OLMo 3's sliding layers on a RoPE of their own), OLMoE Llama's
+with OLMo's q/k norms, q/k/v clipped and a mixture of experts; SmolLM3 Llama's with no RoPE in every
+fourth layer (`rope_layers`). One thing caps the context served below the model's
+(`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and no further:
+LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose long
+ones, past it, would change every position's rotation at once — which neither a paged cache nor a
+prefix cache can follow. What the module cannot compute (partial rotary embeddings
 outside Phi-3, an activation other than its family's, an attention soft-cap outside Gemma 2, a
 quantized checkpoint) is refused here, by name."""
 from __future__ import annotations
@@ -24,9 +27,12 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Gemma3ForConditionalGeneration": "gemma3",  # its text model: images are not served
                  "Gemma2ForCausalLM": "gemma2", "GraniteForCausalLM": "granite",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
-                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+                 "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
+                 "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
 GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
+OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
+TWO_ROPES = ("gemma3", "olmo3")  # sliding layers rotated by a RoPE of their own
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
@@ -34,7 +40,7 @@ ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pr
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A sparse mixture of experts, as transformers' Mixtral, Qwen2-MoE and Qwen3-MoE route: softmax
+    """A sparse mixture of experts, as transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE route: softmax
     over the router's logits in fp32, the top k experts, their weights renormalised to sum to 1
     where `norm_topk_prob` (always in Mixtral), cast to the model's dtype except in Mixtral."""
 
@@ -49,7 +55,7 @@ class MoeConfig:
 
 @dataclass
 class ModelConfig:
-    arch: str  # llama | mistral | phi3 | qwen2 | qwen3 | gemma2 | gemma3 | mixtral | qwen2_moe | qwen3_moe | granite
+    arch: str  # one of ARCHITECTURES' values
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -67,11 +73,12 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool
+    qk_norm: str | None  # "head": each head RMS-normed alone (Qwen3, Gemma 3); "whole": q and k each
+    # across all their heads at once (OLMo 2, 3, OLMoE); None: no q/k norm
     dtype: str | None  # as the checkpoint was saved
     # Gemma 2 and 3 (worker/models/gemma.py): attention scaled by query_pre_attn_scalar^-0.5, not
     # head_dim's; logits soft-capped (tanh(x / cap) * cap), Gemma 2's attention scores too; Gemma 3's
-    # sliding layers rotate by their own RoPE base
+    # sliding layers rotate by their own RoPE base (OLMo 3's too: local_rope_theta, unscaled)
     query_pre_attn_scalar: float | None = None
     logit_softcap: float | None = None
     local_rope_theta: float | None = None
@@ -80,6 +87,9 @@ class ModelConfig:
     # Granite (Llama's layers, four scalars): embeddings x embedding_multiplier, each residual branch
     # x residual_multiplier, scores scaled by attention_multiplier (not head_dim^-0.5), logits / logits_scaling
     multipliers: dict[str, float] | None = None
+    post_norm: bool = False  # OLMo 2 and 3: each branch's output normed before its residual add, none before
+    rope_layers: tuple[bool, ...] | None = None  # SmolLM3: which layers rotate (the rest: no position encoding)
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the q/k norms
 
     @property
     def sliding_window(self) -> int | None:
@@ -110,7 +120,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
     windows = tuple(_layer_windows(raw, arch))
-    theta, scaling, local_theta = (_gemma_ropes(raw, max_position_embeddings) if arch == "gemma3"
+    theta, scaling, local_theta = (_two_ropes(raw, arch, max_position_embeddings) if arch in TWO_ROPES
                                    else (*_rope(raw, arch, max_position_embeddings), None))
     gemma = arch in GEMMA
     _refuse_what_differs(raw, arch, scaling, head_dim)
@@ -123,22 +133,25 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
-        tie_word_embeddings=raw.get("tie_word_embeddings", gemma),  # Gemma's default: tied
+        tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch == "smollm3"),  # their default: tied
         qkv_bias=True if arch in QWEN2 else bias, o_bias=False if arch in QWEN2 else bias,
-        mlp_bias=raw.get("mlp_bias", False), qk_norm=arch in (*QWEN3, "gemma3"),
+        mlp_bias=raw.get("mlp_bias", False),
+        qk_norm="head" if arch in (*QWEN3, "gemma3") else "whole" if arch in (*OLMO, "olmoe") else None,
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if gemma else None,
         logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta, moe=_moe(raw, arch),
         attn_softcap=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
         multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch == "granite" else None,
+        post_norm=arch in OLMO, rope_layers=_rope_layers(raw) if arch == "smollm3" else None,
+        clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
     )
 
 
 def _moe(raw: dict, arch: str) -> MoeConfig | None:
-    """Mixtral's experts are intermediate_size wide and in every layer; the Qwens' are
+    """Mixtral's and OLMoE's experts are intermediate_size wide and in every layer; the Qwens' are
     moe_intermediate_size wide, in every decoder_sparse_step-th layer not in mlp_only_layers."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         return None
     experts = raw.get("num_local_experts") or raw.get("num_experts")
     top_k, layers = raw.get("num_experts_per_tok", 2), raw["num_hidden_layers"]
@@ -147,6 +160,9 @@ def _moe(raw: dict, arch: str) -> MoeConfig | None:
                          f"<= it (here {top_k}) in config.json")
     if arch == "mixtral":
         return MoeConfig(experts, top_k, raw["intermediate_size"], True, True, None, (True,) * layers)
+    if arch == "olmoe":
+        return MoeConfig(experts, top_k, raw["intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
+                         None, (True,) * layers)
     step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or ())
     shared = raw.get("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
     return MoeConfig(experts, top_k, raw["moe_intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
@@ -208,18 +224,33 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
 _ACTIVATION = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}  # every other family: SiLU
 
 
-def _gemma_ropes(raw: dict, max_position_embeddings: int) -> tuple[float, dict | None, float]:
-    """Gemma 3's two RoPEs: (theta, scaling) of its full-attention layers and its sliding layers'
-    theta, from transformers 5's rope_parameters per layer type or the older rope_theta,
-    rope_scaling (the full layers') and rope_local_base_freq."""
+def _two_ropes(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, dict | None, float]:
+    """Gemma 3's and OLMo 3's two RoPEs: (theta, scaling) of their full-attention layers and their
+    sliding layers' theta, from transformers 5's rope_parameters per layer type or the older
+    rope_theta and rope_scaling (the full layers'), with Gemma's rope_local_base_freq (OLMo 3's
+    sliding layers: rope_theta, unscaled)."""
     params = raw.get("rope_parameters") or {}
-    full = params.get("full_attention") or {**(raw.get("rope_scaling") or {}),
-                                             "rope_theta": raw.get("rope_theta", 1_000_000.0)}
-    local = params.get("sliding_attention") or {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    full_theta = raw.get("rope_theta", 1_000_000.0 if arch == "gemma3" else 500_000.0)
+    full = params.get("full_attention") or {**(raw.get("rope_scaling") or {}), "rope_theta": full_theta}
+    local_theta = raw.get("rope_local_base_freq", 10_000.0) if arch == "gemma3" else full_theta
+    local = params.get("sliding_attention") or {"rope_theta": local_theta}
     if local.get("rope_type", local.get("type", "default")) != "default":
-        raise ValueError("a scaled RoPE on Gemma's sliding layers is not supported")
-    theta, scaling = _rope({"rope_parameters": full}, "gemma3", max_position_embeddings)
-    return theta, scaling, float(local.get("rope_theta", 10_000.0))
+        raise ValueError(f"a scaled RoPE on a {arch} folder's sliding layers is not supported")
+    theta, scaling = _rope({"rope_parameters": full}, arch, max_position_embeddings)
+    return theta, scaling, float(local.get("rope_theta", local_theta))
+
+
+def _rope_layers(raw: dict) -> tuple[bool, ...]:
+    """SmolLM3's rotating layers: no_rope_layers says 1 for each (its name notwithstanding), or
+    every no_rope_layer_interval-th layer is the one without."""
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        every = raw.get("no_rope_layer_interval", 4)
+        return tuple((i + 1) % every != 0 for i in range(raw["num_hidden_layers"]))
+    if len(flags) != raw["num_hidden_layers"]:
+        raise ValueError(f"no_rope_layers in config.json has {len(flags)} entries for "
+                         f"{raw['num_hidden_layers']} layers")
+    return tuple(bool(f) for f in flags)
 
 
 def _partial_rotary(raw: dict) -> float:
@@ -232,9 +263,15 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     names each layer's kind in `layer_types`; older Qwen configs say `use_sliding_window` (layers
     from `max_window_layers` on slide); Mistral, Mixtral and Phi-3 slide in every layer when they
     have one."""
-    window, layers = raw.get("sliding_window"), raw["num_hidden_layers"]
-    if not window or arch == "llama":  # transformers' Llama attends whole sequences whatever it says
+    window, layers = raw.get("sliding_window", 4096 if arch == "olmo3" else None), raw["num_hidden_layers"]
+    if not window or arch in ("llama", "olmo2", "olmoe"):  # transformers' attend whole sequences whatever they say
         return [None] * layers
+    if arch == "smollm3":  # sliding where layer_types says, only if use_sliding_window; by default its NoPE layers
+        kinds = raw.get("layer_types") or ["full_attention" if rope else "sliding_attention"
+                                           for rope in _rope_layers(raw)]
+        return [window if raw.get("use_sliding_window") and kind == "sliding_attention" else None for kind in kinds]
+    if arch == "olmo3" and raw.get("layer_types") is None:  # three sliding layers, then a full one
+        return [window if (i + 1) % 4 else None for i in range(layers)]
     if raw.get("layer_types") is not None:
         return [window if kind == "sliding_attention" else None for kind in raw["layer_types"]]
     if arch == "qwen3_moe":  # transformers' Qwen3-MoE slides in every layer when it slides at all

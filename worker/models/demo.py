@@ -116,7 +116,9 @@ def _config(arch: str, **kw):
            "qwen3": transformers.Qwen3Config, "gemma2": transformers.Gemma2Config,
            "gemma3": transformers.Gemma3TextConfig, "granite": transformers.GraniteConfig,
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-           "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
+           "qwen3_moe": transformers.Qwen3MoeConfig, "olmo2": transformers.Olmo2Config,
+           "olmo3": transformers.Olmo3Config, "olmoe": transformers.OlmoeConfig,
+           "smollm3": transformers.SmolLM3Config}[arch]
     return cls(**kw)
 
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from worker.models.config import ModelConfig
-from worker.models.llama import MLP, Attention, CausalLM, _rope, rope_inv_freq
-from worker.models.parallel import SINGLE, Shard
+from worker.models.llama import MLP, Attention, CausalLM
+from worker.models.parallel import Shard
 
 
 class GemmaRMSNorm(nn.Module):
@@ -45,9 +45,10 @@ class GemmaMLP(MLP):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard, window: int | None):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
-        self.local = window is not None  # a sliding layer, rotated by the local RoPE
+        window = cfg.layer_windows[index]
+        self.local_rope = window is not None and cfg.local_rope_theta is not None  # Gemma 3's sliding layers
         norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
@@ -64,26 +65,14 @@ class GemmaDecoderLayer(nn.Module):
 
 
 class GemmaCausalLM(CausalLM):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
-        super().__init__(cfg, backend, shard)
-        self.model.layers = nn.ModuleList(GemmaDecoderLayer(cfg, backend, shard, window)
-                                          for window in cfg.layer_windows)
-        self.model.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.local_inv_freq: torch.Tensor | None = None
-
-    def init_rope(self, device: torch.device) -> None:
-        super().init_rope(device)
-        theta = self.cfg.local_rope_theta
-        self.local_inv_freq = (self.inv_freq if theta is None  # Gemma 2: one RoPE for every layer
-                               else rope_inv_freq(self.cfg.rotary_dim, theta, None)[0].to(device))
+    layer_class, norm_class = GemmaDecoderLayer, GemmaRMSNorm
 
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         h = h * torch.tensor(self.cfg.hidden_size ** 0.5).to(h.dtype)
-        full = _rope(positions, self.inv_freq, h.dtype, self.rope_scale)
-        local = _rope(positions, self.local_inv_freq, h.dtype)
+        ropes = self._ropes(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, *(local if layer.local else full), kv_cache, meta)
+            h = layer(h, *ropes[layer.local_rope], kv_cache, meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,8 @@
 """Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family,
 and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer in place of the MLP);
-Granite is Llama's with four scalars (embeddings, residual branches, scores and logits scaled).
+Granite is Llama's with four scalars (embeddings, residual branches, scores and logits scaled);
+SmolLM3 Llama's with some layers unrotated (NoPE); OLMoE Llama's with q and k each RMS-normed across
+all their heads, q/k/v clipped, and experts.
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -33,6 +35,8 @@ _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_pro
 
 
 class RMSNorm(nn.Module):
+    cast_last = False  # OLMo 2's: the weight multiplies in fp32 and the product is cast (Llama's: cast, then multiply)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -42,7 +46,7 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.to(torch.float32)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight * x).to(dtype) if self.cast_last else self.weight * x.to(dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
@@ -140,9 +144,11 @@ def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them at N = 1)."""
 
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None,
+                 rope: bool = True):
         super().__init__()
         self.window = window  # a sliding window's width (the backend masks keys before it), else None
+        self.rope = rope  # SmolLM3's NoPE layers: False
         d = self.head_dim = cfg.head_dim
         q_first, self.num_heads = shard.split(cfg.num_heads, "attention heads")
         kv_first, self.num_kv_heads = shard.kv_heads(cfg.num_heads, cfg.num_kv_heads)
@@ -155,10 +161,14 @@ class Attention(nn.Module):
                      ("v_proj", kv_first * d, self.kv_size)]
             self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias)
             self.o_proj = RowParallelLinear(q_first * d, self.q_size, cfg.hidden_size, cfg.o_bias, shard)
+        if cfg.qk_norm == "whole" and shard.size > 1:
+            raise ValueError(f"a {cfg.arch} folder's q/k norms span every head: tensor parallelism "
+                             "(which splits the heads) is not supported for it")
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.qk_norm = cfg.qk_norm
+            whole = cfg.qk_norm == "whole"
+            self.q_norm = RMSNorm(self.q_size if whole else d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size if whole else d, cfg.rms_norm_eps)
+        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
         self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.backend = backend
@@ -166,9 +176,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self._heads(self.qkv_proj(x))
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+        elif self.qk_norm == "whole":
+            q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        if self.rope:
+            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         return self._attend(q, k, v, kv_cache, meta)
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
@@ -176,10 +191,16 @@ class Attention(nn.Module):
                       ops: CpuKernels) -> torch.Tensor:
         """forward's steps, with q/k norm and rope applied in place to the qkv rows."""
         qkv = self.qkv_proj(x).contiguous()
-        if self.qk_norm:
+        if self.qk_norm == "head":
             ops.head_rmsnorm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
             ops.head_rmsnorm_(qkv, self.q_size, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
-        ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
+        elif self.qk_norm == "whole":  # q as one head of q_size values, k as one of kv_size
+            ops.head_rmsnorm_(qkv, 0, 1, self.q_norm.weight, self.q_norm.eps, self.q_size)
+            ops.head_rmsnorm_(qkv, self.q_size, 1, self.k_norm.weight, self.k_norm.eps, self.kv_size)
+        if self.clip is not None:
+            qkv.clamp_(-self.clip, self.clip)
+        if self.rope:
+            ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
         return self._attend(*self._heads(qkv), kv_cache, meta)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -220,12 +241,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None,
-                 sparse: bool = False):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
+        window = cfg.layer_windows[index]
+        self.local_rope = window is not None and cfg.local_rope_theta is not None  # rotated by the sliding layers' RoPE
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, shard, window)
+        self.self_attn = Attention(cfg, backend, shard, window, cfg.rope_layers is None or cfg.rope_layers[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
         self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)
         self.residual_multiplier = cfg.multipliers["residual_multiplier"] if cfg.multipliers else None
 
@@ -239,37 +262,40 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard, layer: type[nn.Module], norm: type[nn.Module]):
         super().__init__()
         # the weight given (empty: the checkpoint fills it) skips nn.Embedding's random init, whose
         # path on the meta device imports torch._dynamo: ~0.5 s of every worker's start
         self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                           _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
                              if shard.size == 1 else VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, shard))
-        sparse = cfg.moe.sparse_layers if cfg.moe is not None else (False,) * cfg.num_layers
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, shard, window, moe)
-                                    for window, moe in zip(cfg.layer_windows, sparse))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(layer(cfg, backend, shard, i) for i in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
     cpu_kernels: CpuKernels | None = None  # set by the runner where they apply (fp32 on CPU)
+    layer_class: type[nn.Module] = DecoderLayer
+    norm_class: type[nn.Module] = RMSNorm  # the final norm's
 
     def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE):
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg, backend, shard)
+        self.model = Backbone(cfg, backend, shard, self.layer_class, self.norm_class)
         self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard.size == 1
                         else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard))
         self.inv_freq: torch.Tensor | None = None
-        self.rope_scale = 1.0  # YaRN's attention factor on cos and sin
-        self._rope_table: torch.Tensor | None = None  # CPU: [positions, 2, head_dim] cos and sin
+        self.local_inv_freq: torch.Tensor | None = None  # the sliding layers' own RoPE (Gemma 3, OLMo 3)
+        self.rope_scale = 1.0  # YaRN's attention factor on cos and sin (the full layers')
+        self._rope_tables: dict[bool, torch.Tensor] = {}  # CPU, by local: [positions, 2, head_dim] cos and sin
 
     def init_rope(self, device: torch.device) -> None:
         """Kept out of the state dict: it is derived from the config, not loaded."""
         cfg = self.cfg
         inv_freq, self.rope_scale = rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
         self.inv_freq = inv_freq.to(device)
+        if cfg.local_rope_theta is not None:
+            self.local_inv_freq = rope_inv_freq(cfg.rotary_dim, cfg.local_rope_theta, None)[0].to(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
@@ -277,9 +303,9 @@ class CausalLM(nn.Module):
         if self.cpu_kernels is not None:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         h = self._embed(input_ids)
-        cos, sin = self._cos_sin(positions, h.dtype)
+        ropes = self._ropes(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
+            h = layer(h, *ropes[layer.local_rope], kv_cache, meta)
         return self.model.norm(h)
 
     def _forward_fused(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -288,10 +314,11 @@ class CausalLM(nn.Module):
         the residual stream h."""
         ops, layers = self.cpu_kernels, self.model.layers
         h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
-        table = self._rope_table_for(positions, h.dtype)
+        tables = self._rope_tables_for(positions, h.dtype)
         after_mlp = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         x = ops.add_rmsnorm(h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for layer, kv_cache, norm in zip(layers, kv_caches, after_mlp):
+            table = tables[layer.local_rope]
             attn = layer.branch(layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops))
             x = ops.add_rmsnorm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             x = ops.add_rmsnorm(h, layer.branch(layer.mlp.forward_fused(x, ops)), norm.weight, norm.eps)
@@ -301,24 +328,32 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         return h * self.cfg.multipliers["embedding_multiplier"] if self.cfg.multipliers else h
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] each. On CPU looked up in a table grown as positions grow (the same
-        products, computed once, not every step); elsewhere computed in place (no host sync, so
-        CUDA graphs can capture it)."""
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, sin), each [T, 1, head_dim], by whether a layer is rotated by the sliding layers'
+        RoPE. On CPU looked up in a table grown as positions grow (the same products, computed once,
+        not every step); elsewhere computed in place (no host sync, so CUDA graphs can capture it)."""
         if positions.device.type != "cpu":
-            return _rope(positions, self.inv_freq, dtype, self.rope_scale)
-        both = self._rope_table_for(positions, dtype).index_select(0, positions)
-        return both[:, :1], both[:, 1:]
+            ropes = {False: _rope(positions, self.inv_freq, dtype, self.rope_scale)}
+            if self.local_inv_freq is not None:
+                ropes[True] = _rope(positions, self.local_inv_freq, dtype)
+            return ropes
+        tables = self._rope_tables_for(positions, dtype)
+        both = {local: table.index_select(0, positions) for local, table in tables.items()}
+        return {local: (rows[:, :1], rows[:, 1:]) for local, rows in both.items()}
 
-    def _rope_table_for(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[>= max position + 1, 2, head_dim]: cos and sin per position, grown by doubling."""
+    def _rope_tables_for(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, torch.Tensor]:
+        """By local, [>= max position + 1, 2, head_dim]: cos and sin per position, grown by doubling."""
         need = int(positions.max()) + 1 if positions.numel() else 0
-        table = self._rope_table
-        if table is None or table.shape[0] < need or table.dtype != dtype:
-            size = max(need, 2 * (table.shape[0] if table is not None else 512))
-            cos, sin = _rope(torch.arange(size, device=positions.device), self.inv_freq, dtype, self.rope_scale)
-            table = self._rope_table = torch.cat((cos, sin), dim=1)
-        return table
+        kinds = {False: (self.inv_freq, self.rope_scale)}
+        if self.local_inv_freq is not None:
+            kinds[True] = (self.local_inv_freq, 1.0)
+        for local, (inv_freq, scale) in kinds.items():
+            table = self._rope_tables.get(local)
+            if table is None or table.shape[0] < need or table.dtype != dtype:
+                size = max(need, 2 * (table.shape[0] if table is not None else 512))
+                cos, sin = _rope(torch.arange(size, device=positions.device), inv_freq, dtype, scale)
+                self._rope_tables[local] = torch.cat((cos, sin), dim=1)
+        return self._rope_tables
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab]; under tensor parallelism only rank 0's are the whole rows."""

@@ -125,6 +125,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     (under tensor parallelism: this rank's slices only)."""
     if cfg.arch in ("gemma2", "gemma3"):
         from worker.models.gemma import GemmaCausalLM as model_class
+    elif cfg.post_norm:
+        from worker.models.olmo import OlmoCausalLM as model_class
     else:
         model_class = CausalLM
     with torch.device("meta"):

@@ -1,4 +1,4 @@
-"""A sparse mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE), computed
+"""A sparse mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE), computed
 as transformers computes it, so fp32 greedy outputs match it token for token:
 
 - the router (`gate`, a bias-free linear) scores every expert; softmax in fp32; the top k kept,

@@ -66,7 +66,7 @@ def test_sharded_checkpoint_loads_the_same(tmp_path, build_tiny, random_prompts)
 
 def test_config_fields(build_tiny):
     cfg = read_model_config(build_tiny("exact-qwen3", "qwen3", head_dim=32))
-    assert (cfg.arch, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == ("qwen3", 32, True, False)
+    assert (cfg.arch, cfg.head_dim, cfg.qk_norm, cfg.qkv_bias) == ("qwen3", 32, "head", False)
     cfg = read_model_config(build_tiny("exact-qwen2", "qwen2"))
     assert (cfg.arch, cfg.qkv_bias, cfg.o_bias, cfg.num_kv_heads, cfg.dtype) == ("qwen2", True, False, 2, "float32")
 

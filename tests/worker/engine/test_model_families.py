@@ -49,8 +49,9 @@ def exact_on_cpu_paths(folder, prompts: list[list[int]], expected: list[list[int
     return llm
 
 
-def with_norms_not_zero(folder, seed: int):
-    """The folder saved again with its norm weights drawn around 0, so Gemma's (1 + w) is tested."""
+def with_norms_drawn(folder, seed: int, mean: float = 0.0):
+    """The folder saved again with its norm weights drawn around `mean` (not all 0, nor all 1), so
+    Gemma's (1 + w) and the weights of norms transformers builds as ones are tested."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -58,7 +59,7 @@ def with_norms_not_zero(folder, seed: int):
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() == 1:
-                param.normal_(0.0, 0.3)
+                param.normal_(mean, 0.3)
     model.save_pretrained(folder)
     return folder
 
@@ -114,7 +115,7 @@ GEMMA = dict(head_dim=16, rope_theta=1_000_000.0, tie_word_embeddings=True, conf
 @pytest.fixture(scope="module")
 def gemma_dir(build_tiny):
     """A tiny Gemma 3 whose norm weights are not zero (so (1 + w) is tested), saved again."""
-    return with_norms_not_zero(build_tiny("gemma3", "gemma3", num_layers=4, **GEMMA), seed=1)
+    return with_norms_drawn(build_tiny("gemma3", "gemma3", num_layers=4, **GEMMA), seed=1)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -141,9 +142,9 @@ def test_gemma2_matches_transformers(tmp_path, build_tiny, random_prompts, hf_gr
     attention scores soft-capped (a cap of 0.5 here, so that greedy sees it) in every backend —
     the native decode kernel, the torch paths and the (interpreted) Triton kernels; its (1 + w)
     norms with weights not zero; the older config without layer_types reads the same."""
-    folder = with_norms_not_zero(build_tiny("gemma2", "gemma2", num_layers=4, **GEMMA2), seed=2)
+    folder = with_norms_drawn(build_tiny("gemma2", "gemma2", num_layers=4, **GEMMA2), seed=2)
     cfg = read_model_config(folder)
-    assert (cfg.arch, cfg.layer_windows, cfg.attn_softcap, cfg.qk_norm) == ("gemma2", (24, None, 24, None), 0.5, False)
+    assert (cfg.arch, cfg.layer_windows, cfg.attn_softcap, cfg.qk_norm) == ("gemma2", (24, None, 24, None), 0.5, None)
     old = rewritten(folder, tmp_path / "old", layer_types=None, rope_parameters=None, rope_theta=10000.0)
     assert read_model_config(old) == cfg
     prompts = random_prompts(4, 20, 90, seed=12)
@@ -325,3 +326,70 @@ def test_granite_matches_transformers(build_tiny, random_prompts, hf_greedy):
     prompts = random_prompts(4, 20, 90, seed=13)
     expected = hf_greedy(folder, prompts, 16)
     assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+OLMO = {  # name: (arch, config fields); hidden 64, 4 layers
+    "olmo2": ("olmo2", {}),
+    "olmo3-yarn-on-full-layers": ("olmo3", dict(sliding_window=24, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32))),
+    "olmoe-clipped": ("olmoe", dict(num_experts=4, num_experts_per_tok=2, clip_qkv=0.3)),
+}
+
+SMOLLM3 = dict(use_sliding_window=True, sliding_window=24)
+
+
+@pytest.mark.parametrize("name", list(OLMO))
+def test_olmo_matches_transformers(name, build_tiny, random_prompts, hf_greedy):
+    """OLMo 2 (norms after each branch, none before; q and k normed across all their heads), OLMo 3
+    (three sliding layers to one full, YaRN on the full ones only) and OLMoE (Llama's layer order
+    with OLMo's q/k norms, q/k/v clipped, eight experts of which two): greedy on the native and
+    torch paths, chunked and from the prefix cache, and the top-5 logprobs; norm weights drawn
+    around 1, so a norm's weight read into the wrong place shows."""
+    arch, extra = OLMO[name]
+    folder = with_norms_drawn(build_tiny(name, arch, num_layers=4, config_extra=extra), seed=3, mean=1.0)
+    cfg = read_model_config(folder)
+    assert cfg.qk_norm == "whole" and cfg.post_norm == (arch != "olmoe")
+    prompts = random_prompts(4, 20, 90, seed=17)  # past the window and YaRN's original context
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+def test_smollm3_matches_transformers(build_tiny, random_prompts, hf_greedy):
+    """SmolLM3: every fourth layer without RoPE (NoPE), here also the one sliding layer
+    (use_sliding_window puts windows on the NoPE layers by default)."""
+    folder = build_tiny("smollm3", "smollm3", num_layers=4, config_extra=SMOLLM3)
+    cfg = read_model_config(folder)
+    assert (cfg.rope_layers, cfg.layer_windows) == ((True, True, True, False), (None, None, None, 24))
+    prompts = random_prompts(4, 20, 90, seed=19)
+    exact_on_cpu_paths(folder, prompts, hf_greedy(folder, prompts, 16))
+
+
+def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, build_tiny):
+    """OLMo 3's older spelling (rope_scaling and rope_theta for the full layers, no layer_types)
+    reads as transformers 5's; SmolLM3's NoPE layers from no_rope_layer_interval when the list is
+    absent, and refused when it does not cover the layers; its window only with use_sliding_window;
+    OLMo's whole-width q/k norms refused under tensor parallelism, by name."""
+    from worker.models.llama import Attention
+    from worker.models.parallel import Shard
+
+    arch, extra = OLMO["olmo3-yarn-on-full-layers"]
+    olmo3 = build_tiny("olmo3-theta-500k", arch, num_layers=4, rope_theta=500_000.0, config_extra=extra)
+    new = read_model_config(olmo3)
+    assert new.layer_windows == (24, 24, 24, None) and new.rope_scaling["rope_type"] == "yarn"
+    assert new.local_rope_theta == new.rope_theta == 500_000.0
+    greedy_case = read_model_config(build_tiny("olmo3-yarn-on-full-layers", arch, num_layers=4, config_extra=extra))
+    assert (greedy_case.rope_theta, greedy_case.local_rope_theta) == (10_000.0, 500_000.0)  # as transformers 5 sets them
+    old = rewritten(olmo3, tmp_path / "olmo3-old", rope_parameters=None, layer_types=None, rope_theta=500_000.0,
+                    rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))
+    assert read_model_config(old) == new
+    smol = build_tiny("smollm3", "smollm3", num_layers=4, config_extra=SMOLLM3)
+    eight = rewritten(smol, tmp_path / "smol8", num_hidden_layers=8, no_rope_layers=None, layer_types=None)
+    assert read_model_config(eight).rope_layers == (True, True, True, False) * 2
+    assert read_model_config(eight).layer_windows == (None, None, None, 24) * 2
+    unwindowed = rewritten(smol, tmp_path / "smol-full", use_sliding_window=False)
+    assert read_model_config(unwindowed).layer_windows == (None,) * 4
+    with pytest.raises(ValueError, match="no_rope_layers in config.json has 3 entries for 4 layers"):
+        read_model_config(rewritten(smol, tmp_path / "smol3", no_rope_layers=[1, 1, 0]))
+    with pytest.raises(ValueError, match="olmo2 folder's q/k norms span every head: tensor parallelism"):
+        with torch.device("meta"):
+            Attention(read_model_config(build_tiny("olmo2", "olmo2", num_layers=4)), None, Shard(0, 2))

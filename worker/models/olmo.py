@@ -1,0 +1,58 @@
+"""OLMo 2 and OLMo 3 (Olmo2ForCausalLM, Olmo3ForCausalLM) on the Llama family's attention, linears and
+paged cache, with what OLMo does differently, each as transformers computes it:
+
+- no norm before a branch: the attention's and the MLP's outputs are RMS-normed, then added;
+- q and k each RMS-normed across all their heads at once (one norm over q_size, one over kv_size);
+- the norms multiply by their weight in fp32 and cast the product (Llama's cast first);
+- OLMo 3: three sliding layers to one full, the sliding ones on an unscaled RoPE of their own
+  (the full ones on the config's, YaRN in the long-context releases).
+
+On CPU in fp32 the native kernels do the attention's work (GEMMs, the whole-width q/k norms, rope,
+decode attention) and SiLU x up; the norms around the branches stay torch's (the fused residual
+add + norm kernel computes Llama's order, norm after the add, not OLMo's).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from worker.models.config import ModelConfig
+from worker.models.llama import MLP, Attention, CausalLM, RMSNorm
+from worker.models.parallel import Shard
+
+
+class OlmoRMSNorm(RMSNorm):
+    cast_last = True
+
+
+class OlmoDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
+        super().__init__()
+        window = cfg.layer_windows[index]
+        self.local_rope = window is not None and cfg.local_rope_theta is not None  # OLMo 3's sliding layers
+        self.self_attn = Attention(cfg, backend, shard, window)
+        attn = self.self_attn
+        attn.q_norm = OlmoRMSNorm(attn.q_size, cfg.rms_norm_eps)
+        attn.k_norm = OlmoRMSNorm(attn.kv_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, shard)
+        self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, kv_cache, meta):
+        h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta))
+        return h + self.post_feedforward_layernorm(self.mlp(h))
+
+    def forward_fused(self, h, positions, table, kv_cache, meta, ops):
+        h = h + self.post_attention_layernorm(self.self_attn.forward_fused(h, positions, table, kv_cache, meta, ops))
+        return h + self.post_feedforward_layernorm(self.mlp.forward_fused(h, ops))
+
+
+class OlmoCausalLM(CausalLM):
+    layer_class, norm_class = OlmoDecoderLayer, OlmoRMSNorm
+
+    def _forward_fused(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        h = self._embed(input_ids)
+        tables = self._rope_tables_for(positions, h.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            h = layer.forward_fused(h, positions, tables[layer.local_rope], kv_cache, meta, self.cpu_kernels)
+        return self.model.norm(h)
