@@ -24,11 +24,14 @@ from pathlib import Path
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
-                 "Gemma3ForConditionalGeneration": "gemma3",  # its text model: images are not served
                  "Gemma2ForCausalLM": "gemma2", "GraniteForCausalLM": "granite",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3"}
+# image-and-text models whose text model is served (images are not): their text_config's default
+# model_type, and the arch each text model_type is
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
+TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
 GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
@@ -113,9 +116,8 @@ class ModelConfig:
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
     """One reader for both spellings: transformers 5 writes `dtype`/`rope_parameters`, older ones not."""
-    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    raw = _text_part(json.loads((Path(model_dir) / "config.json").read_text()))
     arch = _arch(raw)
-    raw = _text_part(raw)
     heads = raw["num_attention_heads"]
     head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
@@ -170,16 +172,21 @@ def _moe(raw: dict, arch: str) -> MoeConfig | None:
 
 
 def _text_part(raw: dict) -> dict:
-    """A multimodal folder's text model's config (Gemma 3 4B and up): its `text_config`, with the
-    defaults transformers fills (hub configs leave many out), and what the folder says at the top."""
-    if "text_config" not in raw:
+    """A multimodal folder's text model's config (Gemma 3 4B and up, Mistral Small 3.1 and 3.2): its
+    `text_config`, with the defaults transformers fills (hub configs leave many out), and what the
+    folder says at the top; the text model's arch in `architectures`."""
+    kind = next((MULTIMODAL[name] for name in raw.get("architectures") or [] if name in MULTIMODAL), None)
+    if kind is None:
         return raw
-    from transformers import Gemma3TextConfig
+    from transformers import CONFIG_MAPPING
 
-    text = Gemma3TextConfig(**raw["text_config"]).to_dict()
-    top = {k: raw[k] for k in ("architectures", "dtype", "torch_dtype", "quantization_config", "tie_word_embeddings")
-           if k in raw}
-    return {**text, **top}
+    kind = (raw.get("text_config") or {}).get("model_type", kind)
+    if kind not in TEXT_MODELS:
+        raise ValueError(f"{raw['architectures']} with a {kind!r} text model is not supported; text models: "
+                         f"{sorted(TEXT_MODELS)}")
+    text = CONFIG_MAPPING[kind](**raw.get("text_config") or {}).to_dict()
+    top = {k: raw[k] for k in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings") if k in raw}
+    return {**text, **top, "architectures": [], "model_type": TEXT_MODELS[kind]}
 
 
 def _arch(raw: dict) -> str:
@@ -188,7 +195,8 @@ def _arch(raw: dict) -> str:
             return ARCHITECTURES[name]
     if raw.get("model_type") in ARCHITECTURES.values():
         return raw["model_type"]
-    raise ValueError(f"unsupported architecture {raw.get('architectures')}; supported: {sorted(ARCHITECTURES)}")
+    raise ValueError(f"unsupported architecture {raw.get('architectures')}; supported: "
+                     f"{sorted([*ARCHITECTURES, *MULTIMODAL])}")
 
 
 def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: int) -> None:

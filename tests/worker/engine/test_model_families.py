@@ -268,6 +268,47 @@ def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, gemma_dir, r
     assert tokens(LLM(folder).generate(prompts, GREEDY)) == expected
 
 
+
+def test_a_mistral3_folder_serves_its_text_model(tmp_path, build_tiny, random_prompts):
+    """Mistral Small 3.1 and 3.2 are Mistral3ForConditionalGeneration folders: a Mistral text_config
+    (transformers' defaults filled in), the text model's weights and head under language_model.*,
+    a vision tower and projector beside. The folder's top level says nothing of tying, as the
+    Hub's do: the head is the checkpoint's own (the text config's tie_word_embeddings, false)."""
+    import transformers
+
+    mistral = build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=24))
+    text = json.loads((mistral / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "sliding_window", "rope_parameters", "max_position_embeddings",
+            "bos_token_id", "eos_token_id", "pad_token_id")
+    config = transformers.Mistral3Config(
+        text_config={k: text[k] for k in keep}, tie_word_embeddings=False, spatial_merge_size=1,
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           head_dim=16, image_size=28, patch_size=14))
+    torch.manual_seed(4)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(1.0, 0.3) if param.dim() == 1 else param.normal_(0.0, 0.08)
+    folder = tmp_path / "mistral-3-mm"
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(mistral / name, folder / name)
+    raw = json.loads((folder / "config.json").read_text())
+    del raw["tie_word_embeddings"]
+    (folder / "config.json").write_text(json.dumps(raw))
+    cfg = read_model_config(folder)
+    assert (cfg.arch, cfg.layer_windows, cfg.tie_word_embeddings) == ("mistral", (24, 24), False)
+    prompts = random_prompts(3, 20, 60, seed=23)
+    with torch.no_grad():  # the multimodal model's own generate, on text alone
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                                   eos_token_id=text["eos_token_id"])[0, len(p):].tolist() for p in prompts]
+    assert tokens(LLM(folder).generate(prompts, GREEDY)) == expected
+    other = rewritten(folder, tmp_path / "llama4-text", text_config={**raw["text_config"],
+                                                                       "model_type": "llama4_text"})
+    with pytest.raises(ValueError, match="with a 'llama4_text' text model is not supported"):
+        read_model_config(other)
+
 MOE = {  # name: (arch, config fields); hidden 64, 2 layers (conftest's TINY)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24)),
@@ -378,7 +419,8 @@ def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, bui
     assert new.layer_windows == (24, 24, 24, None) and new.rope_scaling["rope_type"] == "yarn"
     assert new.local_rope_theta == new.rope_theta == 500_000.0
     greedy_case = read_model_config(build_tiny("olmo3-yarn-on-full-layers", arch, num_layers=4, config_extra=extra))
-    assert (greedy_case.rope_theta, greedy_case.local_rope_theta) == (10_000.0, 500_000.0)  # as transformers 5 sets them
+    # a rope_theta given to Olmo3Config reaches the full layers only (as transformers 5 sets them)
+    assert (greedy_case.rope_theta, greedy_case.local_rope_theta) == (10_000.0, 500_000.0)
     old = rewritten(olmo3, tmp_path / "olmo3-old", rope_parameters=None, layer_types=None, rope_theta=500_000.0,
                     rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32))
     assert read_model_config(old) == new
