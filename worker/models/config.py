@@ -9,7 +9,8 @@ Llama's, Qwen2's and Qwen3's with a sparse mixture of experts in place of the ML
 worker/models/moe.py); OLMo 2 and 3 are worker/models/olmo.py's (each branch normed after it, q and k
 each normed across all their heads; OLMo 3's sliding layers on a RoPE of their own), OLMoE Llama's
 with OLMo's q/k norms, q/k/v clipped and a mixture of experts; SmolLM3 Llama's with no RoPE in every
-fourth layer (`rope_layers`). One thing caps the context served below the model's
+fourth layer (`rope_layers`); Ministral 3 Mistral's with its queries scaled past the original
+context (`query_scaling`). One thing caps the context served below the model's
 (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and no further:
 LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose long
 ones, past it, would change every position's rotation at once — which neither a paged cache nor a
@@ -27,11 +28,11 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Gemma2ForCausalLM": "gemma2", "GraniteForCausalLM": "granite",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                 "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3"}
+                 "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3", "Ministral3ForCausalLM": "ministral3"}
 # image-and-text models whose text model is served (images are not): their text_config's default
 # model_type, and the arch each text model_type is
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
-TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral"}
+TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral", "ministral3": "ministral3"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
 GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
@@ -93,6 +94,9 @@ class ModelConfig:
     post_norm: bool = False  # OLMo 2 and 3: each branch's output normed before its residual add, none before
     rope_layers: tuple[bool, ...] | None = None  # SmolLM3: which layers rotate (the rest: no position encoding)
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after the q/k norms
+    # Ministral 3 (Llama 4's scaling): (beta, original context); rotated queries x 1 + beta ln(1 +
+    # floor(position / original context))
+    query_scaling: tuple[float, int] | None = None
 
     @property
     def sliding_window(self) -> int | None:
@@ -147,6 +151,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch == "granite" else None,
         post_norm=arch in OLMO, rope_layers=_rope_layers(raw) if arch == "smollm3" else None,
         clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
+        query_scaling=_query_scaling(raw) if arch == "ministral3" else None,
     )
 
 
@@ -246,6 +251,16 @@ def _two_ropes(raw: dict, arch: str, max_position_embeddings: int) -> tuple[floa
         raise ValueError(f"a scaled RoPE on a {arch} folder's sliding layers is not supported")
     theta, scaling = _rope({"rope_parameters": full}, arch, max_position_embeddings)
     return theta, scaling, float(local.get("rope_theta", local_theta))
+
+
+def _query_scaling(raw: dict) -> tuple[float, int]:
+    """Ministral 3's query scaling, from its RoPE parameters (transformers reads both there)."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    beta, context = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if beta is None or not context:
+        raise ValueError("a ministral3 folder's rope_parameters in config.json need llama_4_scaling_beta and "
+                         "original_max_position_embeddings (its queries' scaling)")
+    return float(beta), int(context)
 
 
 def _rope_layers(raw: dict) -> tuple[bool, ...]:

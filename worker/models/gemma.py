@@ -59,8 +59,8 @@ class GemmaDecoderLayer(nn.Module):
         self.self_attn.softcap = cfg.attn_softcap
         self.mlp = GemmaMLP(cfg, shard)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta))
+    def forward(self, h, rope, kv_cache, meta):
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv_cache, meta))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
@@ -72,7 +72,7 @@ class GemmaCausalLM(CausalLM):
         h = h * torch.tensor(self.cfg.hidden_size ** 0.5).to(h.dtype)
         ropes = self._ropes(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, *ropes[layer.local_rope], kv_cache, meta)
+            h = layer(h, ropes[layer.local_rope], kv_cache, meta)
         return self.model.norm(h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

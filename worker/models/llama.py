@@ -1,7 +1,8 @@
 """Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family,
 and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer in place of the MLP);
 Granite is Llama's with four scalars (embeddings, residual branches, scores and logits scaled);
-SmolLM3 Llama's with some layers unrotated (NoPE); OLMoE Llama's with q and k each RMS-normed across
+SmolLM3 Llama's with some layers unrotated (NoPE); Ministral 3 Mistral's with its queries scaled
+up past the original context (Llama 4's scaling); OLMoE Llama's with q and k each RMS-normed across
 all their heads, q/k/v clipped, and experts.
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +143,15 @@ def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
+class Rope(NamedTuple):
+    """The position encoding of a step's rows: cos and sin [T, 1, rotary dim], and Ministral 3's
+    query scale [T, 1, 1] (None in every other model)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_scale: torch.Tensor | None = None
+
+
 class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them at N = 1)."""
 
@@ -173,8 +184,8 @@ class Attention(nn.Module):
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self._heads(self.qkv_proj(x))
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -183,12 +194,14 @@ class Attention(nn.Module):
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         if self.rope:
-            q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
+            q, k = _rotary(q, rope.cos, rope.sin), _rotary(k, rope.cos, rope.sin)
+        if rope.q_scale is not None:
+            q = q * rope.q_scale.to(q.dtype)
         return self._attend(q, k, v, kv_cache, meta)
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
                       kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                      ops: CpuKernels) -> torch.Tensor:
+                      ops: CpuKernels, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """forward's steps, with q/k norm and rope applied in place to the qkv rows."""
         qkv = self.qkv_proj(x).contiguous()
         if self.qk_norm == "head":
@@ -201,6 +214,8 @@ class Attention(nn.Module):
             qkv.clamp_(-self.clip, self.clip)
         if self.rope:
             ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
+        if q_scale is not None:
+            qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim).mul_(q_scale)
         return self._attend(*self._heads(qkv), kv_cache, meta)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -252,8 +267,8 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)
         self.residual_multiplier = cfg.multipliers["residual_multiplier"] if cfg.multipliers else None
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.branch(self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta))
+    def forward(self, h, rope, kv_cache, meta):
+        h = h + self.branch(self.self_attn(self.input_layernorm(h), rope, kv_cache, meta))
         return h + self.branch(self.mlp(self.post_attention_layernorm(h)))
 
     def branch(self, out: torch.Tensor) -> torch.Tensor:
@@ -305,7 +320,7 @@ class CausalLM(nn.Module):
         h = self._embed(input_ids)
         ropes = self._ropes(positions, h.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, *ropes[layer.local_rope], kv_cache, meta)
+            h = layer(h, ropes[layer.local_rope], kv_cache, meta)
         return self.model.norm(h)
 
     def _forward_fused(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
@@ -314,12 +329,12 @@ class CausalLM(nn.Module):
         the residual stream h."""
         ops, layers = self.cpu_kernels, self.model.layers
         h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
-        tables = self._rope_tables_for(positions, h.dtype)
+        tables, q_scale = self._rope_tables_for(positions, h.dtype), self._query_scale(positions)
         after_mlp = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         x = ops.add_rmsnorm(h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for layer, kv_cache, norm in zip(layers, kv_caches, after_mlp):
             table = tables[layer.local_rope]
-            attn = layer.branch(layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops))
+            attn = layer.branch(layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops, q_scale))
             x = ops.add_rmsnorm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
             x = ops.add_rmsnorm(h, layer.branch(layer.mlp.forward_fused(x, ops)), norm.weight, norm.eps)
         return x
@@ -328,18 +343,27 @@ class CausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         return h * self.cfg.multipliers["embedding_multiplier"] if self.cfg.multipliers else h
 
-    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
-        """(cos, sin), each [T, 1, head_dim], by whether a layer is rotated by the sliding layers'
-        RoPE. On CPU looked up in a table grown as positions grow (the same products, computed once,
-        not every step); elsewhere computed in place (no host sync, so CUDA graphs can capture it)."""
+    def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, Rope]:
+        """The rows' Rope by whether a layer is rotated by the sliding layers' RoPE. On CPU cos and
+        sin are looked up in a table grown as positions grow (the same products, computed once, not
+        every step); elsewhere computed in place (no host sync, so CUDA graphs can capture it)."""
+        q_scale = self._query_scale(positions)
         if positions.device.type != "cpu":
-            ropes = {False: _rope(positions, self.inv_freq, dtype, self.rope_scale)}
+            ropes = {False: Rope(*_rope(positions, self.inv_freq, dtype, self.rope_scale), q_scale)}
             if self.local_inv_freq is not None:
-                ropes[True] = _rope(positions, self.local_inv_freq, dtype)
+                ropes[True] = Rope(*_rope(positions, self.local_inv_freq, dtype), q_scale)
             return ropes
         tables = self._rope_tables_for(positions, dtype)
         both = {local: table.index_select(0, positions) for local, table in tables.items()}
-        return {local: (rows[:, :1], rows[:, 1:]) for local, rows in both.items()}
+        return {local: Rope(rows[:, :1], rows[:, 1:], q_scale) for local, rows in both.items()}
+
+    def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """Ministral 3's (Llama 4's) [T, 1, 1]: queries x 1 + beta ln(1 + floor(position / original
+        context)) — 1 within the original context, growing by steps past it; None elsewhere."""
+        if self.cfg.query_scaling is None:
+            return None
+        beta, context = self.cfg.query_scaling
+        return (1 + beta * torch.log(1 + torch.floor(positions / context)))[:, None, None]
 
     def _rope_tables_for(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, torch.Tensor]:
         """By local, [>= max position + 1, 2, head_dim]: cos and sin per position, grown by doubling."""

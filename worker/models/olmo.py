@@ -38,8 +38,8 @@ class OlmoDecoderLayer(nn.Module):
         self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, kv_cache, meta):
-        h = h + self.post_attention_layernorm(self.self_attn(h, cos, sin, kv_cache, meta))
+    def forward(self, h, rope, kv_cache, meta):
+        h = h + self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta))
         return h + self.post_feedforward_layernorm(self.mlp(h))
 
     def forward_fused(self, h, positions, table, kv_cache, meta, ops):

@@ -269,20 +269,25 @@ def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, gemma_dir, r
 
 
 
-def test_a_mistral3_folder_serves_its_text_model(tmp_path, build_tiny, random_prompts):
-    """Mistral Small 3.1 and 3.2 are Mistral3ForConditionalGeneration folders: a Mistral text_config
-    (transformers' defaults filled in), the text model's weights and head under language_model.*,
-    a vision tower and projector beside. The folder's top level says nothing of tying, as the
-    Hub's do: the head is the checkpoint's own (the text config's tie_word_embeddings, false)."""
+@pytest.mark.parametrize("text_model", ["mistral", "ministral3"])
+def test_a_mistral3_folder_serves_its_text_model(text_model, tmp_path, build_tiny, random_prompts):
+    """Mistral Small 3.1 and 3.2 (a Mistral text model) and Ministral 3 (a Ministral 3 one) are
+    Mistral3ForConditionalGeneration folders: a text_config (transformers' defaults filled in), the
+    text model's weights and head under language_model.*, a vision tower and projector beside. The
+    folder's top level says nothing of tying, as the Hub's do: the head is the checkpoint's own
+    (the text config's tie_word_embeddings, false)."""
     import transformers
 
-    mistral = build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=24))
-    text = json.loads((mistral / "config.json").read_text())
+    text_folder = (build_tiny("mistral-window", "mistral", config_extra=dict(sliding_window=24))
+                   if text_model == "mistral" else
+                   build_tiny("ministral3", "ministral3", config_extra=dict(rope_parameters=MINISTRAL3_ROPE)))
+    text = json.loads((text_folder / "config.json").read_text())
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "sliding_window", "rope_parameters", "max_position_embeddings",
             "bos_token_id", "eos_token_id", "pad_token_id")
     config = transformers.Mistral3Config(
-        text_config={k: text[k] for k in keep}, tie_word_embeddings=False, spatial_merge_size=1,
+        text_config={"model_type": text_model, **{k: text[k] for k in keep if k in text}},
+        tie_word_embeddings=False, spatial_merge_size=1,
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            head_dim=16, image_size=28, patch_size=14))
     torch.manual_seed(4)
@@ -293,12 +298,14 @@ def test_a_mistral3_folder_serves_its_text_model(tmp_path, build_tiny, random_pr
     folder = tmp_path / "mistral-3-mm"
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(mistral / name, folder / name)
+        shutil.copy(text_folder / name, folder / name)
     raw = json.loads((folder / "config.json").read_text())
     del raw["tie_word_embeddings"]
     (folder / "config.json").write_text(json.dumps(raw))
     cfg = read_model_config(folder)
-    assert (cfg.arch, cfg.layer_windows, cfg.tie_word_embeddings) == ("mistral", (24, 24), False)
+    windows = (24, 24) if text_model == "mistral" else (None, None)
+    assert (cfg.arch, cfg.layer_windows, cfg.tie_word_embeddings) == (text_model, windows, False)
+    assert cfg.query_scaling == (None if text_model == "mistral" else (0.1, 32))  # past 32: prompts up to 60
     prompts = random_prompts(3, 20, 60, seed=23)
     with torch.no_grad():  # the multimodal model's own generate, on text alone
         expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
@@ -404,6 +411,23 @@ def test_smollm3_matches_transformers(build_tiny, random_prompts, hf_greedy):
     prompts = random_prompts(4, 20, 90, seed=19)
     exact_on_cpu_paths(folder, prompts, hf_greedy(folder, prompts, 16))
 
+
+MINISTRAL3_ROPE = dict(rope_type="yarn", rope_theta=1_000_000.0, factor=16.0, original_max_position_embeddings=32,
+                       beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.1)
+
+
+def test_ministral3_matches_transformers(tmp_path, build_tiny, random_prompts, hf_greedy):
+    """Ministral 3: Mistral's layers, YaRN, and queries scaled by 1 + 0.1 ln(1 + floor(p / 32)) —
+    prompts up to 90 tokens, so three steps of it — on both CPU paths and in the top-5 logprobs;
+    its RoPE parameters without the scaling's two numbers refused by name."""
+    folder = build_tiny("ministral3", "ministral3", config_extra=dict(rope_parameters=MINISTRAL3_ROPE))
+    assert read_model_config(folder).query_scaling == (0.1, 32)
+    prompts = random_prompts(4, 20, 90, seed=29)
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[2])
+    plain = {k: v for k, v in MINISTRAL3_ROPE.items() if k != "llama_4_scaling_beta"}
+    with pytest.raises(ValueError, match="need llama_4_scaling_beta and original_max_position_embeddings"):
+        read_model_config(rewritten(folder, tmp_path / "no-beta", rope_parameters=plain))
 
 def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, build_tiny):
     """OLMo 3's older spelling (rope_scaling and rope_theta for the full layers, no layer_types)
