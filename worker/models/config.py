@@ -29,10 +29,13 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3", "Ministral3ForCausalLM": "ministral3"}
-# image-and-text models whose text model is served (images are not): their text_config's default
-# model_type, and the arch each text model_type is
-MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3_text", "Mistral3ForConditionalGeneration": "mistral"}
-TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral", "ministral3": "ministral3"}
+# image-and-text models whose text model is served (images are not): the folder's model_type, and
+# the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
+# sequence exactly as plain RoPE does (its three position axes are equal there).
+MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3", "Mistral3ForConditionalGeneration": "mistral3",
+              "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral", "ministral3": "ministral3", "qwen2_5_vl_text": "qwen2",
+               "qwen3_vl_text": "qwen3"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
 GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
@@ -177,21 +180,22 @@ def _moe(raw: dict, arch: str) -> MoeConfig | None:
 
 
 def _text_part(raw: dict) -> dict:
-    """A multimodal folder's text model's config (Gemma 3 4B and up, Mistral Small 3.1 and 3.2): its
-    `text_config`, with the defaults transformers fills (hub configs leave many out), and what the
-    folder says at the top; the text model's arch in `architectures`."""
+    """A multimodal folder's text model's config (Gemma 3 4B and up, Mistral Small 3.1 and 3.2,
+    Ministral 3, Qwen2.5-VL, Qwen3-VL): its text config as transformers builds it (the defaults hub
+    configs leave out filled in; Qwen2.5-VL's older folders keep its fields at the top level), and
+    what the folder says at the top; the text model's arch as `model_type`."""
     kind = next((MULTIMODAL[name] for name in raw.get("architectures") or [] if name in MULTIMODAL), None)
     if kind is None:
         return raw
-    from transformers import CONFIG_MAPPING
+    from transformers import AutoConfig
 
-    kind = (raw.get("text_config") or {}).get("model_type", kind)
-    if kind not in TEXT_MODELS:
-        raise ValueError(f"{raw['architectures']} with a {kind!r} text model is not supported; text models: "
-                         f"{sorted(TEXT_MODELS)}")
-    text = CONFIG_MAPPING[kind](**raw.get("text_config") or {}).to_dict()
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
+    text = AutoConfig.for_model(raw.get("model_type", kind), **fields).get_text_config()
+    if text.model_type not in TEXT_MODELS:
+        raise ValueError(f"{raw['architectures']} with a {text.model_type!r} text model is not supported; text "
+                         f"models: {sorted(TEXT_MODELS)}")
     top = {k: raw[k] for k in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings") if k in raw}
-    return {**text, **top, "architectures": [], "model_type": TEXT_MODELS[kind]}
+    return {**text.to_dict(), **top, "architectures": [], "model_type": TEXT_MODELS[text.model_type]}
 
 
 def _arch(raw: dict) -> str:

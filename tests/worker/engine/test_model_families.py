@@ -236,6 +236,30 @@ def test_phi3_long_rope_is_served_exactly_within_its_original_context(partial, t
         read_model_config(short)
 
 
+def drawn(model, seed: int, norms_around: float = 1.0):
+    """The model's weights drawn at random (its vision tower's too), norms around `norms_around`."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(norms_around, 0.3) if param.dim() == 1 else param.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def saved_beside_tokenizer(model, folder, text_folder):
+    """A multimodal model saved as a folder, with a text folder's tokenizer."""
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(text_folder / name, folder / name)
+    return folder
+
+
+@torch.no_grad()
+def text_only_greedy(model, prompts: list[list[int]], eos: int) -> list[list[int]]:
+    """The multimodal model's own generate, on text alone."""
+    return [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
+                           eos_token_id=eos)[0, len(p):].tolist() for p in prompts]
+
+
 def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, gemma_dir, random_prompts):
     """Gemma 3 4B and up are Gemma3ForConditionalGeneration folders: a text_config, the text model's
     weights under language_model.model.*, a vision tower beside. kvgate serves the text model."""
@@ -249,24 +273,13 @@ def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path, gemma_dir, r
         text_config={k: text[k] for k in keep}, mm_tokens_per_image=4,
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            image_size=28, patch_size=14))
-    torch.manual_seed(2)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.3 if param.dim() == 1 else 0.08)
-    folder = tmp_path / "gemma-3-mm"
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(gemma_dir / name, folder / name)
+    model = drawn(transformers.Gemma3ForConditionalGeneration(config), seed=2, norms_around=0.0)
+    folder = saved_beside_tokenizer(model, tmp_path / "gemma-3-mm", gemma_dir)
     assert "text_config" in json.loads((folder / "config.json").read_text())
     cfg = read_model_config(folder)
     assert (cfg.arch, cfg.num_layers, cfg.layer_windows, cfg.tie_word_embeddings) == ("gemma3", 4, (24, None) * 2, True)
     prompts = random_prompts(3, 20, 60, seed=11)
-    with torch.no_grad():  # the multimodal model's own generate, on text alone
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
-                                   eos_token_id=text["eos_token_id"])[0, len(p):].tolist() for p in prompts]
-    assert tokens(LLM(folder).generate(prompts, GREEDY)) == expected
-
+    assert tokens(LLM(folder).generate(prompts, GREEDY)) == text_only_greedy(model, prompts, text["eos_token_id"])
 
 
 @pytest.mark.parametrize("text_model", ["mistral", "ministral3"])
@@ -290,15 +303,8 @@ def test_a_mistral3_folder_serves_its_text_model(text_model, tmp_path, build_tin
         tie_word_embeddings=False, spatial_merge_size=1,
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                            head_dim=16, image_size=28, patch_size=14))
-    torch.manual_seed(4)
-    model = transformers.Mistral3ForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(1.0, 0.3) if param.dim() == 1 else param.normal_(0.0, 0.08)
-    folder = tmp_path / "mistral-3-mm"
-    model.save_pretrained(folder)
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        shutil.copy(text_folder / name, folder / name)
+    model = drawn(transformers.Mistral3ForConditionalGeneration(config), seed=4)
+    folder = saved_beside_tokenizer(model, tmp_path / "mistral-3-mm", text_folder)
     raw = json.loads((folder / "config.json").read_text())
     del raw["tie_word_embeddings"]
     (folder / "config.json").write_text(json.dumps(raw))
@@ -307,14 +313,56 @@ def test_a_mistral3_folder_serves_its_text_model(text_model, tmp_path, build_tin
     assert (cfg.arch, cfg.layer_windows, cfg.tie_word_embeddings) == (text_model, windows, False)
     assert cfg.query_scaling == (None if text_model == "mistral" else (0.1, 32))  # past 32: prompts up to 60
     prompts = random_prompts(3, 20, 60, seed=23)
-    with torch.no_grad():  # the multimodal model's own generate, on text alone
-        expected = [model.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, pad_token_id=0,
-                                   eos_token_id=text["eos_token_id"])[0, len(p):].tolist() for p in prompts]
-    assert tokens(LLM(folder).generate(prompts, GREEDY)) == expected
+    assert tokens(LLM(folder).generate(prompts, GREEDY)) == text_only_greedy(model, prompts, text["eos_token_id"])
     other = rewritten(folder, tmp_path / "llama4-text", text_config={**raw["text_config"],
                                                                        "model_type": "llama4_text"})
     with pytest.raises(ValueError, match="with a 'llama4_text' text model is not supported"):
         read_model_config(other)
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_a_qwen_vl_folder_serves_its_text_model(family, tmp_path, build_tiny, random_prompts):
+    """Qwen2.5-VL (a Qwen2 text model; the Hub's folders keep its fields at the top level, RoPE
+    "mrope") and Qwen3-VL (a Qwen3 one; interleaved multimodal RoPE, deepstack): on text alone the
+    three position axes are equal and the multimodal RoPE rotates as plain RoPE does, so the text
+    model is served as Qwen2's or Qwen3's, token-exact with the multimodal model's generate."""
+    import transformers
+
+    arch = {"qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}[family]
+    text_folder = build_tiny(f"{arch}-head16", arch, head_dim=16)
+    text = json.loads((text_folder / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "max_position_embeddings", "bos_token_id", "eos_token_id",
+            "pad_token_id")
+    text_config = {k: text[k] for k in keep}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  spatial_merge_size=2, temporal_patch_size=2)
+    if family == "qwen2_5_vl":
+        config = transformers.Qwen2_5_VLConfig(
+            text_config={**text_config, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3],
+                                                         "rope_theta": 10_000.0}},
+            vision_config={**vision, "patch_size": 14, "window_size": 56, "fullatt_block_indexes": [0]})
+        model = drawn(transformers.Qwen2_5_VLForConditionalGeneration(config), seed=5)
+    else:
+        config = transformers.Qwen3VLConfig(
+            text_config={**text_config, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                            "mrope_interleaved": True, "rope_theta": 10_000.0}},
+            vision_config={**vision, "patch_size": 16, "deepstack_visual_indexes": [0], "num_position_embeddings": 16})
+        model = drawn(transformers.Qwen3VLForConditionalGeneration(config), seed=6)
+    folder = saved_beside_tokenizer(model, tmp_path / family, text_folder)
+    cfg = read_model_config(folder)
+    assert (cfg.arch, cfg.rope_scaling, cfg.qk_norm) == (arch, None, "head" if arch == "qwen3" else None)
+    prompts = random_prompts(3, 20, 60, seed=31)
+    assert tokens(LLM(folder).generate(prompts, GREEDY)) == text_only_greedy(model, prompts, text["eos_token_id"])
+    if family == "qwen2_5_vl":  # the Hub's layout: the text model's fields at the top, no text_config
+        raw = json.loads((folder / "config.json").read_text())
+        flat = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"],
+                "model_type": "qwen2_5_vl", "rope_theta": 10_000.0,
+                "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+        del flat["rope_parameters"]
+        hub = tmp_path / "hub-layout"
+        shutil.copytree(folder, hub)
+        (hub / "config.json").write_text(json.dumps(flat))
+        assert read_model_config(hub) == cfg
 
 MOE = {  # name: (arch, config fields); hidden 64, 2 layers (conftest's TINY)
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
