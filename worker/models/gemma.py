@@ -52,9 +52,7 @@ class GemmaDecoderLayer(nn.Module):
         norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
-        self.self_attn = Attention(cfg, backend, shard, window)
-        if cfg.qk_norm:
-            self.self_attn.q_norm, self.self_attn.k_norm = norm(cfg.head_dim), norm(cfg.head_dim)
+        self.self_attn = Attention(cfg, backend, shard, window, norm=GemmaRMSNorm)
         self.self_attn.scale = cfg.query_pre_attn_scalar ** -0.5
         self.self_attn.softcap = cfg.attn_softcap
         self.mlp = GemmaMLP(cfg, shard)

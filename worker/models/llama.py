@@ -30,8 +30,8 @@ from worker.engine.cpu_native import CpuKernels
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear
 from worker.models.moe import SparseMoE, mixtral_name
-from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, Piece, RowParallelLinear,
-                                    Shard, VocabParallelEmbedding)
+from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelRMSNorm, Piece,
+                                    RowParallelLinear, Shard, VocabParallelEmbedding)
 
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -156,7 +156,7 @@ class Attention(nn.Module):
     """This rank's query heads and the KV heads they read (all of them at N = 1)."""
 
     def __init__(self, cfg: ModelConfig, backend, shard: Shard = SINGLE, window: int | None = None,
-                 rope: bool = True):
+                 rope: bool = True, norm: type[nn.Module] = RMSNorm):
         super().__init__()
         self.window = window  # a sliding window's width (the backend masks keys before it), else None
         self.rope = rope  # SmolLM3's NoPE layers: False
@@ -172,14 +172,12 @@ class Attention(nn.Module):
                      ("v_proj", kv_first * d, self.kv_size)]
             self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, parts, cfg.qkv_bias)
             self.o_proj = RowParallelLinear(q_first * d, self.q_size, cfg.hidden_size, cfg.o_bias, shard)
-        if cfg.qk_norm == "whole" and shard.size > 1:
-            raise ValueError(f"a {cfg.arch} folder's q/k norms span every head: tensor parallelism "
-                             "(which splits the heads) is not supported for it")
-        if cfg.qk_norm:
-            whole = cfg.qk_norm == "whole"
-            self.q_norm = RMSNorm(self.q_size if whole else d, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.kv_size if whole else d, cfg.rms_norm_eps)
-        self.qk_norm, self.clip = cfg.qk_norm, cfg.clip_qkv
+        if cfg.qk_norm == "head":  # `norm`: the family's RMSNorm (Gemma's, OLMo's)
+            self.q_norm, self.k_norm = norm(d, cfg.rms_norm_eps), norm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "whole":
+            self.q_norm, self.k_norm = _whole_width_norms(cfg, shard, q_first * d, kv_first * d, self.q_size,
+                                                         self.kv_size, norm)
+        self.qk_norm, self.clip, self.shard = cfg.qk_norm, cfg.clip_qkv, shard
         self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.backend = backend
@@ -207,6 +205,10 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             ops.head_rmsnorm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
             ops.head_rmsnorm_(qkv, self.q_size, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
+        elif self.qk_norm == "whole" and self.shard.size > 1:  # their sums of squares all-reduced
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
         elif self.qk_norm == "whole":  # q as one head of q_size values, k as one of kv_size
             ops.head_rmsnorm_(qkv, 0, 1, self.q_norm.weight, self.q_norm.eps, self.q_size)
             ops.head_rmsnorm_(qkv, self.q_size, 1, self.k_norm.weight, self.k_norm.eps, self.kv_size)
@@ -228,6 +230,18 @@ class Attention(nn.Module):
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+
+def _whole_width_norms(cfg: ModelConfig, shard: Shard, q_start: int, k_start: int, q_size: int, kv_size: int,
+                      norm: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
+    """OLMo's q and k norms, each across all of q's or k's heads: plain `norm`s on one device, under
+    tensor parallelism over each rank's slice with the sums of squares all-reduced."""
+    if shard.size == 1:
+        return norm(q_size, cfg.rms_norm_eps), norm(kv_size, cfg.rms_norm_eps)
+    d, cast_last = cfg.head_dim, getattr(norm, "cast_last", False)
+    copies = max(1, shard.size // cfg.num_kv_heads)  # ranks holding each KV head
+    return (ParallelRMSNorm(q_start, q_size, cfg.num_heads * d, cfg.rms_norm_eps, shard, cast_last=cast_last),
+            ParallelRMSNorm(k_start, kv_size, cfg.num_kv_heads * d, cfg.rms_norm_eps, shard, copies, cast_last))
 
 
 class MLP(nn.Module):

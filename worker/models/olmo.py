@@ -30,10 +30,7 @@ class OlmoDecoderLayer(nn.Module):
         super().__init__()
         window = cfg.layer_windows[index]
         self.local_rope = window is not None and cfg.local_rope_theta is not None  # OLMo 3's sliding layers
-        self.self_attn = Attention(cfg, backend, shard, window)
-        attn = self.self_attn
-        attn.q_norm = OlmoRMSNorm(attn.q_size, cfg.rms_norm_eps)
-        attn.k_norm = OlmoRMSNorm(attn.kv_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, shard, window, norm=OlmoRMSNorm)
         self.mlp = MLP(cfg, shard)
         self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -101,6 +101,32 @@ def check_shardable(cfg: ModelConfig, size: int) -> None:
                 shard.split(cfg.moe.shared_intermediate_size, "shared expert's intermediate size")
 
 
+class ParallelRMSNorm(nn.Module):
+    """An RMSNorm over a width split across the ranks (OLMo's q and k norms, across all heads):
+    each rank's sum of squares all-reduced, its slice of the weight. A rank holding a copy of a
+    KV head another rank also holds (`copies` > 1: fewer KV heads than ranks) counts it once.
+    `cast_last`: OLMo 2's order (weight x the fp32 value, then cast)."""
+
+    def __init__(self, start: int, width: int, full_width: int, eps: float, shard: Shard, copies: int = 1,
+                 cast_last: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.start, self.full_width, self.eps, self.shard = start, full_width, eps, shard
+        self.copies, self.cast_last = copies, cast_last
+
+    def pieces(self, prefix: str, param: str) -> list[Piece]:
+        return [Piece(f"{prefix}.{param}", 0, self.start, self.start + self.weight.shape[0])]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        squares = self.shard.all_reduce(x.pow(2).sum(-1, keepdim=True))
+        if self.copies > 1:
+            squares = squares / self.copies
+        x = x * torch.rsqrt(squares / self.full_width + self.eps)
+        return (self.weight * x).to(dtype) if self.cast_last else self.weight * x.to(dtype)
+
+
 class ColumnParallelLinear(Linear):
     """Output features split: this rank's rows of each checkpoint part, fused side by side.
     `parts`: (checkpoint module name, first row, rows) per fused part, e.g. q_proj, k_proj, v_proj."""

@@ -480,11 +480,7 @@ def test_ministral3_matches_transformers(tmp_path, build_tiny, random_prompts, h
 def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, build_tiny):
     """OLMo 3's older spelling (rope_scaling and rope_theta for the full layers, no layer_types)
     reads as transformers 5's; SmolLM3's NoPE layers from no_rope_layer_interval when the list is
-    absent, and refused when it does not cover the layers; its window only with use_sliding_window;
-    OLMo's whole-width q/k norms refused under tensor parallelism, by name."""
-    from worker.models.llama import Attention
-    from worker.models.parallel import Shard
-
+    absent, and refused when it does not cover the layers; its window only with use_sliding_window."""
     arch, extra = OLMO["olmo3-yarn-on-full-layers"]
     olmo3 = build_tiny("olmo3-theta-500k", arch, num_layers=4, rope_theta=500_000.0, config_extra=extra)
     new = read_model_config(olmo3)
@@ -504,6 +500,3 @@ def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, bui
     assert read_model_config(unwindowed).layer_windows == (None,) * 4
     with pytest.raises(ValueError, match="no_rope_layers in config.json has 3 entries for 4 layers"):
         read_model_config(rewritten(smol, tmp_path / "smol3", no_rope_layers=[1, 1, 0]))
-    with pytest.raises(ValueError, match="olmo2 folder's q/k norms span every head: tensor parallelism"):
-        with torch.device("meta"):
-            Attention(read_model_config(build_tiny("olmo2", "olmo2", num_layers=4)), None, Shard(0, 2))

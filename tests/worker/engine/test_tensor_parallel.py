@@ -1,8 +1,9 @@
 """Tensor parallelism on CPU (gloo, two real processes): TP = 2 is token-exact with TP = 1 and with
 transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV head: replicated),
 Qwen3 (per-head q/k norm), Phi-3 (q/k/v and gate/up fused in the checkpoint), Gemma 3 (sliding
-layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert), with the prefix
-cache, preemption and seeded sampling as at TP = 1."""
+layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert), OLMo 2 and OLMoE
+(q and k normed across heads the ranks split), with the prefix cache, preemption and seeded sampling
+as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,10 @@ MODELS = {  # name: (arch, overrides)
     "mixtral-experts": ("mixtral", dict(num_kv_heads=2, config_extra=dict(num_local_experts=4, num_experts_per_tok=2))),
     "qwen2-moe-shared-expert": ("qwen2_moe", dict(num_kv_heads=2, config_extra=dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48))),
+    # q and k normed across all heads: each rank's sums of squares all-reduced (the one KV head on both)
+    "olmo2-one-kv-head": ("olmo2", dict(num_kv_heads=1)),
+    "olmoe-clipped-experts": ("olmoe", dict(num_kv_heads=2, config_extra=dict(
+        num_experts=4, num_experts_per_tok=2, clip_qkv=0.3))),
 }
 
 
