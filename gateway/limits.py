@@ -205,20 +205,21 @@ class FullMinutes:
     of one is refused here with the same 429, before its body is read (gateway/auth.py AuthFirst):
     a key over its RPM sending MiB bodies otherwise had each parsed and validated (~30 ms of the
     event loop) for its 429. Kept with the limit it was full at: a key whose RPM changed is asked
-    again."""
+    again; and with where its tokens stood then, so that 429 carries the token headers too."""
 
     BOUND = 65536  # keys remembered at most (a key is one entry: the keys in Redis bound it anyway)
 
     def __init__(self):
-        self._until: dict[str, tuple[float, int]] = {}  # key id -> (monotonic end, its rpm then)
+        # key id -> (monotonic end, its rpm then, (its TPM, tokens used, monotonic end of their window))
+        self._until: dict[str, tuple[float, int, tuple[int, int, float]]] = {}
 
-    def full(self, key_id: str, rpm: int, until: float) -> None:
+    def full(self, key_id: str, rpm: int, until: float, tokens: tuple[int, int, float] = (0, 0, 0.0)) -> None:
         if len(self._until) >= self.BOUND and key_id not in self._until:
             now = time.monotonic()
             self._until = {k: v for k, v in self._until.items() if v[0] > now}
             if len(self._until) >= self.BOUND:
                 self._until.pop(next(iter(self._until)))
-        self._until[key_id] = (until, rpm)
+        self._until[key_id] = (until, rpm, tokens)
 
     def wait(self, key_id: str, rpm: int) -> float | None:
         """Seconds until the key's minute has room, while it is known full at this `rpm`."""
@@ -229,6 +230,10 @@ class FullMinutes:
             del self._until[key_id]
             return None
         return left
+
+    def tokens(self, key_id: str) -> tuple[int, int, float]:
+        """(TPM, tokens used, monotonic end of their window) when the key's minute was found full."""
+        return self._until[key_id][2]
 
 
 class Limits:
@@ -278,7 +283,7 @@ class Limits:
                             "x-ratelimit-remaining-requests": str(max(0, rpm - requests)),
                             "x-ratelimit-reset-requests": duration(rpm_wait_ms / 1000)}
             if verdict == Verdict.OVER_RPM:
-                self.full_minutes.full(key.id, rpm, sent + rpm_wait_ms / 1000)
+                self.full_minutes.full(key.id, rpm, sent + rpm_wait_ms / 1000, (tpm, used, sent + token_wait))
             if verdict != Verdict.ADMITTED:
                 raise _refusal(Verdict(verdict), key, headers, now, rpm=rpm, tpm=tpm, used=used,
                                estimate=estimate, wait=rpm_wait_ms / 1000 if verdict == Verdict.OVER_RPM
@@ -295,8 +300,10 @@ class Limits:
         rpm = self.rpm(key)
         if (wait := self.full_minutes.wait(key.id, rpm)) is None:
             return None
-        headers = {"x-ratelimit-limit-requests": str(rpm), "x-ratelimit-remaining-requests": "0",
-                   "x-ratelimit-reset-requests": duration(wait)}
+        tpm, used, tokens_end = self.full_minutes.tokens(key.id)  # as they stood then: no round trip
+        headers = self.token_headers(tpm, used, max(0.0, tokens_end - time.monotonic())) | {
+            "x-ratelimit-limit-requests": str(rpm), "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": duration(wait)}
         return _refusal(Verdict.OVER_RPM, key, headers, time.time(), rpm=rpm, tpm=self.tpm(key),
                         used=0, estimate=None, wait=wait)
 

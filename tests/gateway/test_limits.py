@@ -137,6 +137,9 @@ async def test_a_full_minute_is_known_where_admit_said_so_until_it_moves_on(repl
     assert known is not None and known.message.split("again in")[0] == said.value.message.split("again in")[0]
     assert 0 < known.retry_after <= said.value.retry_after <= 60
     assert known.headers["x-ratelimit-remaining-requests"] == "0"
+    tokens = ("x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens")  # where the tokens stood, as said then
+    assert [known.headers[h] for h in tokens] == [said.value.headers[h] for h in tokens]
+    assert "x-ratelimit-reset-tokens" in known.headers
     assert replicas[1].known_full(key) is None  # another replica asks Redis (and learns it there)
     assert replicas[0].known_full(key.model_copy(update={"rpm": 2})) is None  # its limit changed
     assert replicas[0].known_full(key) is None  # and the entry is gone with it
