@@ -101,6 +101,10 @@ class ModelConfig:
     # floor(position / original context))
     query_scaling: tuple[float, int] | None = None
 
+    def local_rope(self, layer: int) -> bool:
+        """Whether a layer rotates by the sliding layers' own RoPE (Gemma 3's and OLMo 3's sliding layers)."""
+        return self.layer_windows[layer] is not None and self.local_rope_theta is not None
+
     @property
     def sliding_window(self) -> int | None:
         """The widest window any layer slides (None: every layer attends the whole sequence)."""

@@ -47,12 +47,11 @@ class GemmaMLP(MLP):
 class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
-        window = cfg.layer_windows[index]
-        self.local_rope = window is not None and cfg.local_rope_theta is not None  # Gemma 3's sliding layers
+        self.local_rope = cfg.local_rope(index)
         norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
-        self.self_attn = Attention(cfg, backend, shard, window, norm=GemmaRMSNorm)
+        self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index], norm=GemmaRMSNorm)
         self.self_attn.scale = cfg.query_pre_attn_scalar ** -0.5
         self.self_attn.softcap = cfg.attn_softcap
         self.mlp = GemmaMLP(cfg, shard)

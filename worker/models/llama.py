@@ -272,10 +272,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
-        window = cfg.layer_windows[index]
-        self.local_rope = window is not None and cfg.local_rope_theta is not None  # rotated by the sliding layers' RoPE
+        self.local_rope = cfg.local_rope(index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, shard, window, cfg.rope_layers is None or cfg.rope_layers[index])
+        self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index],
+                                   cfg.rope_layers is None or cfg.rope_layers[index])
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
         self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)

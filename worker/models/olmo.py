@@ -28,9 +28,8 @@ class OlmoRMSNorm(RMSNorm):
 class OlmoDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
-        window = cfg.layer_windows[index]
-        self.local_rope = window is not None and cfg.local_rope_theta is not None  # OLMo 3's sliding layers
-        self.self_attn = Attention(cfg, backend, shard, window, norm=OlmoRMSNorm)
+        self.local_rope = cfg.local_rope(index)
+        self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index], norm=OlmoRMSNorm)
         self.mlp = MLP(cfg, shard)
         self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
