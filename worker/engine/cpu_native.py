@@ -52,7 +52,7 @@ static inline void prefetch(const float* p, size_t n) {
 }
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
                       float* out, int B, int Hq, int Hkv, int bs, int bt_stride, int q_stride, float scale,
-                      int window, float softcap, int pf, int nthreads) {
+                      int window, float softcap, const float* sinks, int pf, int nthreads) {
   const int G = Hq / Hkv;
   const size_t row_len = (size_t)Hkv * HEAD_DIM, block_len = row_len * bs;
   #pragma omp parallel num_threads(nthreads)
@@ -83,10 +83,12 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
         }
       }
       for (int h = 0; h < Hq; h++) {
-        float* s = sc + h * W; float m = -FLT_MAX, sum = 0.f;
+        /* gpt-oss's sink: a learned logit per head in the softmax's denominator, with no value */
+        float* s = sc + h * W; float m = sinks ? sinks[h] : -FLT_MAX, sum = 0.f;
         if (softcap > 0.f) /* Gemma 2's soft-cap, in a pass of its own: the score loop stays as it was */
           for (int t = 0; t < W; t++) s[t] = tanhf(s[t] / softcap) * softcap;
         for (int t = 0; t < W; t++) m = s[t] > m ? s[t] : m;
+        if (sinks) sum = expf(sinks[h] - m);
         #pragma omp simd reduction(+:sum)
         for (int t = 0; t < W; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
         const float inv = 1.f / sum;
@@ -380,20 +382,23 @@ class CpuKernels:
         return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
     def paged_decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale: float,
-                     window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                     window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; the caches contiguous [blocks, block_size, Hkv, D];
         with a sliding `window`, over each sequence's last `window` keys only; with `softcap`, the
-        scores capped to softcap * tanh(score / softcap) before the softmax."""
+        scores capped to softcap * tanh(score / softcap) before the softmax; with `sinks` [Hq]
+        (gpt-oss), each head's sink logit in the softmax's denominator."""
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         q = query if _rows_of(query, num_heads * dim) else query.contiguous()  # q heads of qkv rows: as they are
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
+        sinks = sinks.float().contiguous() if sinks is not None else None
         self.lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, block_size,
                                   tables.shape[1], q.stride(0), scale, window or 0, softcap or 0.0,
-                                  int(self.prefetch),
+                                  sinks.data_ptr() if sinks is not None else None, int(self.prefetch),
                                   torch.get_num_threads())
         return out
 
@@ -476,7 +481,7 @@ def _rows_of(t: torch.Tensor, width: int) -> bool:
 
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _F, _I, _I],
+    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _F, _P, _I, _I],
     "write_kv_f32": [_P] * 5 + [_I] * 4 + [ctypes.c_int64, _I],
     "add_rmsnorm_f32": [_P] * 4 + [_I, _I, _F, _I],
     "head_rmsnorm_f32": [_P, _P] + [_I] * 5 + [_F, _I],

@@ -44,12 +44,14 @@ class TorchAttention:
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """`window`: a sliding window's width; `softcap`: Gemma 2's attention soft-cap (scores
-        become softcap * tanh(score / softcap) before the softmax), which SDPA cannot apply: its
-        layers take the explicit softmax (`_attention`)."""
+        become softcap * tanh(score / softcap) before the softmax); `sinks`: gpt-oss's per-head
+        sink logits (one more term in each softmax's denominator, with no value). SDPA can apply
+        neither: those layers take the explicit softmax (`_attention`)."""
         if meta.is_decode_only:
-            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, softcap)
+            return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, softcap,
+                                sinks)
         out = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -57,21 +59,22 @@ class TorchAttention:
             rows = torch.tensor(decode_rows, device=query.device)
             tokens = torch.tensor([starts[b] for b in decode_rows], device=query.device)
             out[tokens] = self._decode(query[tokens], k_cache, v_cache, meta.block_tables[rows],
-                                       meta.seq_lens[rows], scale, window, softcap)
+                                       meta.seq_lens[rows], scale, window, softcap, sinks)
         for b, (n, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if n > 1:
                 q = query[starts[b]:starts[b] + n]
                 out[starts[b]:starts[b] + n] = self._prefill(q, k_cache, v_cache, meta.block_tables[b],
-                                                             seq_len, scale, window, softcap)
+                                                             seq_len, scale, window, softcap, sinks)
         return out
 
     def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window=None,
-                softcap=None) -> torch.Tensor:
+                softcap=None, sinks=None) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; GQA groups ride along as extra query rows per KV head."""
         kernels = self.kernels
         if kernels is not None and kernels.usable(query, k_cache, v_cache) and k_cache.is_contiguous() \
                 and v_cache.is_contiguous():
-            return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap)
+            return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
+                                        sinks)
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         max_len = int(seq_lens.max())
@@ -84,7 +87,8 @@ class TorchAttention:
         if window:
             mask &= keys >= (seq_lens - window).unsqueeze(1)
         q = query.view(batch, kv_heads, num_heads // kv_heads, dim)
-        out = _attention(q, k, v, mask[:, None, None, :], scale, softcap)
+        heads_sinks = sinks.view(1, kv_heads, num_heads // kv_heads, 1) if sinks is not None else None
+        out = _attention(q, k, v, mask[:, None, None, :], scale, softcap, heads_sinks)
         return out.reshape(batch, num_heads, dim)
 
     def _gather(self, name: str, cache: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -100,7 +104,8 @@ class TorchAttention:
 
     @staticmethod
     def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float,
-                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """query [n, Hq, D], the last n of seq_len positions; causal over the cached context (within
         the last `window` positions of each query's, with one).
         4-D inputs with K/V expanded to every query head keep SDPA on its flash kernel on CPU
@@ -114,22 +119,33 @@ class TorchAttention:
             k, v = k.repeat_interleave(num_heads // kv_heads, 0), v.repeat_interleave(num_heads // kv_heads, 0)
         q, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         windowed = window is not None and window < seq_len
-        if n == seq_len and not windowed and softcap is None:
+        if n == seq_len and not windowed and softcap is None and sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             pos, keys = torch.arange(seq_len - n, seq_len, device=query.device), torch.arange(seq_len, device=query.device)
             mask = keys <= pos.unsqueeze(1)
             if windowed:
                 mask &= keys > (pos - window).unsqueeze(1)
-            out = _attention(q, k, v, mask, scale, softcap)
+            out = _attention(q, k, v, mask, scale, softcap, sinks.view(1, num_heads, 1, 1) if sinks is not None
+                             else None)
         return out[0].transpose(0, 1)
 
 
-def _attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    """SDPA with a boolean mask; with a soft-cap, the softmax spelled out as transformers' eager
-    attention computes it (scaled scores / cap, tanh, x cap, masked, softmax in fp32)."""
-    if softcap is None:
+def _attention(q, k, v, mask: torch.Tensor, scale: float, softcap: float | None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """SDPA with a boolean mask; with a soft-cap or sinks (shaped to the scores' rows: [..., rows,
+    1]), the softmax spelled out as transformers' eager attention computes it: Gemma 2's scaled
+    scores / cap, tanh, x cap, masked, softmax in fp32; gpt-oss's scores masked, each row's sink
+    logit beside them, the row's max taken off, softmax, the sink's column dropped."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.tanh(q @ k.transpose(-2, -1) * scale / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+    scores = q @ k.transpose(-2, -1) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:
+        both = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+        probs = torch.softmax(both - both.amax(dim=-1, keepdim=True), dim=-1, dtype=both.dtype)[..., :-1]
     return probs.to(q.dtype) @ v

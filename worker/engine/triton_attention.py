@@ -51,19 +51,20 @@ class TritonAttentionBackend:
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if query.is_cuda and not torch.cuda.is_current_stream_capturing():
-            self._warm_once(query, k_cache, v_cache, scale, softcap)
+            self._warm_once(query, k_cache, v_cache, scale, softcap, sinks)
         if meta.is_decode_only:
             return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     scale, num_kv_splits=self._splits(query, k_cache, meta), window=window,
-                                    softcap=softcap)
+                                    softcap=softcap, sinks=sinks)
         return extend_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, meta.max_query_len, scale, block_m=MAX_EXTEND_TILE,
-                                window=window, softcap=softcap)
+                                window=window, softcap=softcap, sinks=sinks)
 
     def warm_up(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                scale: float, softcap: float | None = None) -> list[tuple[str, int]]:
+                scale: float, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> list[tuple[str, int]]:
         """Launch each decode split count and each extend tile height once, on one row of `query`
         over one token of block 0 (outputs thrown away, caches untouched). Triton specialises on
         these and on the tensors' dtypes, alignment and strides, which the real query and caches
@@ -74,14 +75,15 @@ class TritonAttentionBackend:
         starts = torch.tensor([0, 1], dtype=torch.int32, device=device)
         launched = []
         for splits in self.split_choices():
-            decode_attention(row, k_cache, v_cache, tables, seq_lens, scale, num_kv_splits=splits, softcap=softcap)
+            decode_attention(row, k_cache, v_cache, tables, seq_lens, scale, num_kv_splits=splits, softcap=softcap,
+                             sinks=sinks)
             launched.append(("decode", splits))
         group = query.shape[1] // k_cache.shape[2]
         for max_query_len in powers_of_two(MAX_EXTEND_TILE):
             block_q = extend_block_q(group, max_query_len, MAX_EXTEND_TILE)
             if ("extend", block_q) not in launched:
                 extend_attention(row, k_cache, v_cache, tables, seq_lens, starts, max_query_len, scale,
-                                 block_m=MAX_EXTEND_TILE, softcap=softcap)
+                                 block_m=MAX_EXTEND_TILE, softcap=softcap, sinks=sinks)
                 launched.append(("extend", block_q))
         return launched
 
@@ -90,12 +92,12 @@ class TritonAttentionBackend:
         return [self.kv_splits] if self.kv_splits is not None else powers_of_two(MAX_KV_SPLITS)
 
     def _warm_once(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   scale: float, softcap: float | None = None) -> None:
+                   scale: float, softcap: float | None = None, sinks: torch.Tensor | None = None) -> None:
         key = (query.dtype, query.shape[1:], query.stride(), k_cache.dtype, k_cache.shape[1:],
-               k_cache.stride(), query.device, softcap)
+               k_cache.stride(), query.device, softcap, sinks is not None and sinks.dtype)
         if key not in self._warm:
             self._warm.add(key)
-            self.warm_up(query, k_cache, v_cache, scale, softcap)
+            self.warm_up(query, k_cache, v_cache, scale, softcap, sinks)
 
     def _splits(self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> int:
         if self.kv_splits is not None:

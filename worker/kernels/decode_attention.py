@@ -6,7 +6,9 @@ the kv head (GQA), and a second kernel merges the partials by their log-sum-exp.
 length is computed in the kernel from its own length, so ragged batches stay balanced and the grid
 depends only on tensor shapes (a captured CUDA graph stays valid for any lengths). With a sliding
 window (window > 0) the splits cover the last `window` keys only. With a soft-cap (Gemma 2's
-SOFTCAP > 0) each score becomes SOFTCAP * tanh(score / SOFTCAP) before the softmax.
+SOFTCAP > 0) each score becomes SOFTCAP * tanh(score / SOFTCAP) before the softmax. With sinks
+(gpt-oss's learned logit per head, HAS_SINKS) the merge counts each head's sink once in the
+softmax's denominator, as a key with no value.
 """
 from __future__ import annotations
 
@@ -96,11 +98,12 @@ def _decode_partial_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, sinks_ptr,
     stride_pot, stride_poh, stride_pos,
     stride_plt, stride_plh,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -110,11 +113,18 @@ def _decode_merge_kernel(
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(part_lse_ptr + seq * stride_plt + head * stride_plh + offs_s,
                   mask=mask_s, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
+    top = tl.max(lse, 0)
+    if HAS_SINKS:  # the sink's logit, in the partials' base-2 units
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        top = tl.maximum(top, sink)
+    weight = tl.exp2(lse - top)
     parts = tl.load(part_out_ptr + seq * stride_pot + head * stride_poh
                     + offs_s[:, None] * stride_pos + offs_d[None, :],
                     mask=mask_s[:, None] & mask_d[None, :], other=0.0)
-    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    total = tl.sum(weight, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - top)
+    out = tl.sum(parts * weight[:, None], 0) / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + offs_d,
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
 
@@ -123,9 +133,10 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_kv_splits: int = 1, block_n: int = 64, num_stages: int = 2,
                      out: torch.Tensor | None = None, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its paged context (its
-    last `window` keys, with a sliding window; scores soft-capped with a `softcap`).
+    last `window` keys, with a sliding window; scores soft-capped with a `softcap`; each head's
+    sink logit in its softmax's denominator, with `sinks` [Hq]).
 
     seq_lens[b] counts the whole context including the new token, whose K/V are already written.
     A sequence of length 0 (a padding row) gets zeros.
@@ -161,12 +172,12 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         SOFTCAP=float(softcap or 0.0), num_warps=4, num_stages=num_stages,
     )
     _decode_merge_kernel[(num_seqs, q_heads)](
-        part_out, part_lse, out,
+        part_out, part_lse, out, sinks if sinks is not None else part_lse,  # unread without sinks
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, NUM_SPLITS=num_kv_splits,
-        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_kv_splits), BLOCK_D=block_d, HAS_SINKS=sinks is not None,
         num_warps=4 if block_d >= 128 else 2,
     )
     return out

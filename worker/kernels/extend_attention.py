@@ -7,7 +7,8 @@ BLOCK_Q new tokens times all query heads of one kv head (GQA rows packed into th
 so each K/V tile is loaded once per kv head, and a decode row (query_len 1) costs one small tile.
 With a sliding window (window > 0) a row at position p reads keys (p - window, p] only, and a tile
 starts at the first key its earliest row sees. A soft-cap (SOFTCAP > 0, Gemma 2's) caps each
-score as the decode kernel does (`soft_cap`).
+score as the decode kernel does (`soft_cap`). With sinks (gpt-oss's, HAS_SINKS) each row's running
+softmax starts from its head's sink logit, counted once in the denominator, with no value.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ NO_SCORE = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2 
 @triton.jit(do_not_specialize=["stride_bt", "window"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # > 0: a sliding window; 0: the whole context
     stride_qt, stride_qh,
@@ -36,6 +37,7 @@ def _extend_kernel(
     PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     seq = tl.program_id(0)
@@ -61,8 +63,12 @@ def _extend_kernel(
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
-    m_i = tl.full([BLOCK_M], NO_SCORE, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:  # the sink as a first key with no value: its logit (base 2) the running max, exp2(0) the sum
+        m_i = tl.load(sinks_ptr + heads, mask=mask_m, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        m_i = tl.full([BLOCK_M], NO_SCORE, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)  # last key any row sees + 1
     kv_start = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
@@ -110,9 +116,10 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                      block_m: int = 64, block_n: int = 64,
                      out: torch.Tensor | None = None, window: int | None = None,
-                     softcap: float | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flattened batch of new tokens (query [T, Hq, D]) over paged contexts
-    (soft-capped scores with a `softcap`).
+    (soft-capped scores with a `softcap`; each head's sink logit in its softmax's denominator, with
+    `sinks` [Hq]).
 
     Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b] keys
     in the cache, this step's included. block_m is the tile height in (token, head) rows.
@@ -133,7 +140,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_q = extend_block_q(kv_group, max_query_len, block_m)
     _extend_kernel[(num_seqs, kv_heads, triton.cdiv(max_query_len, block_q))](
         query, k_cache, v_cache, out,
-        block_tables, seq_lens, query_start_loc,
+        block_tables, seq_lens, query_start_loc, sinks if sinks is not None else seq_lens,  # unread without
         scale * LOG2E, window or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -144,6 +151,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         KV_GROUP=kv_group, GROUP_PAD=group_pad, BLOCK_Q=block_q,
         BLOCK_N=block_n, BLOCK_D=triton.next_power_of_2(head_dim),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # fp32 stays fp32
-        SOFTCAP=float(softcap or 0.0), num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2,
+        SOFTCAP=float(softcap or 0.0), HAS_SINKS=sinks is not None,
+        num_warps=4 if block_q * group_pad <= 64 else 8, num_stages=2,
     )
     return out

@@ -11,9 +11,10 @@ from worker.engine.torch_attention import TorchAttention
 torch.set_num_threads(1)
 
 
-def naive(q, k, v, scale, window=None, softcap=None):
+def naive(q, k, v, scale, window=None, softcap=None, sinks=None):
     """q [n, Hq, D] = the last n positions of k/v [L, Hkv, D]; causal (within a sliding window;
-    scores soft-capped with a softcap)."""
+    scores soft-capped with a softcap; each head's sink logit a column of the softmax, dropped
+    after it, with sinks [Hq])."""
     n, hq, _ = q.shape
     L, hkv, _ = k.shape
     k, v = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
@@ -23,7 +24,11 @@ def naive(q, k, v, scale, window=None, softcap=None):
     visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
     if window:
         visible &= torch.arange(L)[None, :] > torch.arange(L - n, L)[:, None] - window
-    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        probs = torch.cat([scores, sinks[:, None, None].expand(-1, n, 1)], dim=-1).softmax(-1)[..., :-1]
     return torch.einsum("hnl,lhd->nhd", probs, v)
 
 
@@ -50,26 +55,31 @@ def batch(query_lens, seq_lens, hq=4, hkv=2, dim=8, bs=4, num_blocks=64, seed=0)
     return query, k_cache, v_cache, meta, contiguous
 
 
-@pytest.mark.parametrize("window,softcap", [(None, None), (1, None), (6, None), (None, 0.5), (6, 0.5)])
+SINKS = torch.tensor([0.5, -1.0, 2.0, 1.0])  # gpt-oss's, one per query head
+
+
+@pytest.mark.parametrize("window,softcap,sinks", [(None, None, None), (1, None, None), (6, None, None),
+                                                  (None, 0.5, None), (6, 0.5, None), (None, None, SINKS),
+                                                  (6, None, SINKS)])
 @pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("query_lens,seq_lens", [
     ([1, 1, 1, 1], [1, 5, 17, 40]),  # decode only, ragged
     ([3, 1, 9, 1], [3, 22, 13, 7]),  # prefill from scratch, chunk over a cached prefix, decodes
 ])
-def test_matches_naive_attention(native, query_lens, seq_lens, window, softcap):
+def test_matches_naive_attention(native, query_lens, seq_lens, window, softcap, sinks):
     if native and cpu_native.load(8) is None:
         pytest.skip("no C compiler here")
     query, k_cache, v_cache, meta, contiguous = batch(query_lens, seq_lens)
     backend = TorchAttention(native_decode=native)
     backend.prepare(query.shape[-1], query.dtype, query.device)  # where the native kernels are obtained
     assert (backend.kernels is not None) == native
-    out = backend.attend(query, k_cache, v_cache, meta, 0.3, window, softcap)
+    out = backend.attend(query, k_cache, v_cache, meta, 0.3, window, softcap, sinks)
     starts = meta.query_start_loc.tolist()
     for b, (k, v) in enumerate(contiguous):
         q = query[starts[b]:starts[b + 1]]
-        torch.testing.assert_close(out[starts[b]:starts[b + 1]], naive(q, k, v, 0.3, window, softcap),
+        torch.testing.assert_close(out[starts[b]:starts[b + 1]], naive(q, k, v, 0.3, window, softcap, sinks),
                                    atol=1e-5, rtol=1e-5)
-    if softcap:  # Gemma 2's soft-cap changes the result (the longest context's row)
+    if softcap or sinks is not None:  # Gemma 2's soft-cap, gpt-oss's sinks change the result (the longest row)
         assert not torch.allclose(out[-1], naive(query[starts[-2]:], *contiguous[-1], 0.3, window)[-1], atol=1e-3)
 
 

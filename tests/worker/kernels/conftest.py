@@ -94,10 +94,11 @@ def make_batch(seq_lens: list[int], query_lens: list[int], *, q_heads: int = 4,
 
 def reference_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: AttentionMetadata, scale: float, window: int | None = None,
-                        softcap: float | None = None) -> torch.Tensor:
+                        softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Gather each sequence's keys through its block table; causal softmax in fp32 (over keys
     (p - window, p] for a query at p, with a sliding window; of scores capped to
-    softcap * tanh(score / softcap), with a soft-cap)."""
+    softcap * tanh(score / softcap), with a soft-cap; each head's sink logit one more column of
+    the softmax, dropped after it, with sinks [Hq])."""
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // kv_heads
     out = torch.empty_like(query)
@@ -116,5 +117,10 @@ def reference_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scores = scores.masked_fill(positions[None, None, :] > q_pos[None, :, None], float("-inf"))
         if window:
             scores = scores.masked_fill(positions[None, None, :] <= q_pos[None, :, None] - window, float("-inf"))
-        out[q0:q1] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
+        if sinks is None:
+            probs = scores.softmax(-1)
+        else:
+            column = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+            probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+        out[q0:q1] = torch.einsum("hqk,khd->qhd", probs, values).to(query.dtype)
     return out

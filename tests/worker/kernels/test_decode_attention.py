@@ -61,3 +61,19 @@ def test_a_soft_cap_caps_every_score(device, paged_batch, reference, splits):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         uncapped = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window)
         assert not torch.allclose(got[-1], uncapped[-1], atol=1e-3)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_count_once_in_every_softmax(device, paged_batch, reference, splits):
+    """gpt-oss's sink logit per head, in the denominator once however many splits the merge sums
+    (with a window too); sinks around the scores' size change every row."""
+    batch = paged_batch(RAGGED, [1] * len(RAGGED), q_heads=4, kv_heads=2, device=device)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 1.0], device=device)
+    for window in (None, 6):
+        got = decode_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta.block_tables,
+                               batch.meta.seq_lens, 0.25, num_kv_splits=splits, block_n=16, window=window,
+                               sinks=sinks)
+        want = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window, sinks=sinks)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        plain = reference(batch.query, batch.k_cache, batch.v_cache, batch.meta, 0.25, window)
+        assert not torch.allclose(got[-1], plain[-1], atol=1e-3)

@@ -41,6 +41,22 @@ def test_a_soft_cap_caps_every_score(device, paged_batch, reference, window):
                               atol=1e-3)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_count_once_in_every_softmax(device, paged_batch, reference, window):
+    """gpt-oss's sink logit per head in each row's denominator, several query tiles a sequence,
+    decode rows among them."""
+    seq_lens, query_lens = CASES["chunk_with_decode_rows"]
+    batch = paged_batch(seq_lens, query_lens, q_heads=4, kv_heads=2, device=device)
+    meta, sinks = batch.meta, torch.tensor([0.5, -1.0, 2.0, 1.0], device=device)
+    got = extend_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+                           meta.query_start_loc, meta.max_query_len, 0.25, block_m=16, block_n=16, window=window,
+                           sinks=sinks)
+    torch.testing.assert_close(got, reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.25, window,
+                                              sinks=sinks), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got, reference(batch.query, batch.k_cache, batch.v_cache, meta, 0.25, window),
+                              atol=1e-3)
+
+
 def test_odd_group_and_head_dim(device, paged_batch, reference):
     # 6 query heads on 2 kv heads (group 3, padded to 4), head_dim 24 (padded to 32)
     batch = paged_batch([11, 5], [6, 5], q_heads=6, kv_heads=2, head_dim=24, block_size=8,
