@@ -10,13 +10,14 @@ worker/models/moe.py); OLMo 2 and 3 are worker/models/olmo.py's (each branch nor
 each normed across all their heads; OLMo 3's sliding layers on a RoPE of their own), OLMoE Llama's
 with OLMo's q/k norms, q/k/v clipped and a mixture of experts; SmolLM3 Llama's with no RoPE in every
 fourth layer (`rope_layers`); Ministral 3 Mistral's with its queries scaled past the original
-context (`query_scaling`). One thing caps the context served below the model's
+context (`query_scaling`); gpt-oss worker/models/gpt_oss.py's (sinks in every attention, experts
+with biases and a clamped SwiGLU; its MXFP4 experts dequantized as they load). One thing caps the context served below the model's
 (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and no further:
 LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose long
 ones, past it, would change every position's rotation at once — which neither a paged cache nor a
 prefix cache can follow. What the module cannot compute (partial rotary embeddings
 outside Phi-3, an activation other than its family's, an attention soft-cap outside Gemma 2, a
-quantized checkpoint) is refused here, by name."""
+quantized checkpoint other than gpt-oss's MXFP4 experts) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -28,7 +29,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Gemma2ForCausalLM": "gemma2", "GraniteForCausalLM": "granite",
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
-                 "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3", "Ministral3ForCausalLM": "ministral3"}
+                 "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3", "Ministral3ForCausalLM": "ministral3",
+                 "GptOssForCausalLM": "gpt_oss"}
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
 # sequence exactly as plain RoPE does (its three position axes are equal there).
@@ -100,6 +102,10 @@ class ModelConfig:
     # Ministral 3 (Llama 4's scaling): (beta, original context); rotated queries x 1 + beta ln(1 +
     # floor(position / original context))
     query_scaling: tuple[float, int] | None = None
+    # gpt-oss: a learned sink logit per attention head; its experts' SwiGLU (alpha, limit): gate
+    # clamped above at limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)
+    attn_sinks: bool = False
+    swiglu: tuple[float, float] | None = None
 
     def local_rope(self, layer: int) -> bool:
         """Whether a layer rotates by the sliding layers' own RoPE (Gemma 3's and OLMo 3's sliding layers)."""
@@ -159,13 +165,17 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         post_norm=arch in OLMO, rope_layers=_rope_layers(raw) if arch == "smollm3" else None,
         clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
         query_scaling=_query_scaling(raw) if arch == "ministral3" else None,
+        attn_sinks=arch == "gpt_oss",
+        swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))) if arch == "gpt_oss"
+        else None,
     )
 
 
 def _moe(raw: dict, arch: str) -> MoeConfig | None:
-    """Mixtral's and OLMoE's experts are intermediate_size wide and in every layer; the Qwens' are
-    moe_intermediate_size wide, in every decoder_sparse_step-th layer not in mlp_only_layers."""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+    """Mixtral's, OLMoE's and gpt-oss's experts are intermediate_size wide and in every layer; the
+    Qwens' are moe_intermediate_size wide, in every decoder_sparse_step-th layer not in mlp_only_layers.
+    (gpt-oss's routing, a softmax over the top k's logits, is the renormalised top k of the softmax.)"""
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
         return None
     experts = raw.get("num_local_experts") or raw.get("num_experts")
     top_k, layers = raw.get("num_experts_per_tok", 2), raw["num_hidden_layers"]
@@ -177,6 +187,8 @@ def _moe(raw: dict, arch: str) -> MoeConfig | None:
     if arch == "olmoe":
         return MoeConfig(experts, top_k, raw["intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
                          None, (True,) * layers)
+    if arch == "gpt_oss":
+        return MoeConfig(experts, top_k, raw["intermediate_size"], True, False, None, (True,) * layers)
     step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or ())
     shared = raw.get("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
     return MoeConfig(experts, top_k, raw["moe_intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
@@ -229,10 +241,11 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
                 raise ValueError(f"LongRoPE's {name} in config.json must have rotary dims / 2 = {rot // 2} "
                                  "numbers")
     quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
+    method = (quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed") if quant else None
+    if method and not (arch == "gpt_oss" and method == "mxfp4"):  # gpt-oss's experts: dequantized as they load
         raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
-                         "supported; serve the model's unquantized (bf16, fp16 or fp32) folder")
+                         "supported (but for gpt-oss's MXFP4 experts); serve the model's unquantized (bf16, fp16 "
+                         "or fp32) folder")
     act, wanted = raw.get("hidden_activation") or raw.get("hidden_act", "silu"), _ACTIVATION.get(arch, "silu")
     if act != wanted:
         raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")
@@ -303,6 +316,8 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
         return [window if raw.get("use_sliding_window") and kind == "sliding_attention" else None for kind in kinds]
     if arch == "olmo3" and raw.get("layer_types") is None:  # three sliding layers, then a full one
         return [window if (i + 1) % 4 else None for i in range(layers)]
+    if arch == "gpt_oss" and raw.get("layer_types") is None:  # sliding and full in turn, sliding first
+        return [window if (i + 1) % 2 else None for i in range(layers)]
     if raw.get("layer_types") is not None:
         return [window if kind == "sliding_attention" else None for kind in raw["layer_types"]]
     if arch == "qwen3_moe":  # transformers' Qwen3-MoE slides in every layer when it slides at all

@@ -118,7 +118,8 @@ def _config(arch: str, **kw):
            "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmo2": transformers.Olmo2Config,
            "olmo3": transformers.Olmo3Config, "olmoe": transformers.OlmoeConfig,
-           "smollm3": transformers.SmolLM3Config, "ministral3": transformers.Ministral3Config}[arch]
+           "smollm3": transformers.SmolLM3Config, "ministral3": transformers.Ministral3Config,
+           "gpt_oss": transformers.GptOssConfig}[arch]
     return cls(**kw)
 
 

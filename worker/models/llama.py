@@ -180,7 +180,8 @@ class Attention(nn.Module):
         self.qk_norm, self.clip, self.shard = cfg.qk_norm, cfg.clip_qkv, shard
         self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
-        self.backend = backend
+        self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None  # gpt-oss's, per head
+        self.q_first, self.backend = q_first, backend
 
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -228,8 +229,12 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def pieces(self, prefix: str, param: str) -> list[Piece]:
+        """The one parameter of its own, gpt-oss's sinks: this rank's heads'."""
+        return [Piece(f"{prefix}.{param}", 0, self.q_first, self.q_first + self.num_heads)]
 
 
 def _whole_width_norms(cfg: ModelConfig, shard: Shard, q_start: int, k_start: int, q_size: int, kv_size: int,

@@ -1,7 +1,9 @@
 """Builds a model from a local Hugging Face folder: the module from its config (worker/models/config.py),
 the weights from its safetensors files — or, in a folder that has none, its PyTorch `.bin` files
 (older checkpoints), read with `weights_only=True` (tensors only: a pickle cannot run code here)
-and memory-mapped, so a rank's slice reads only its own bytes there too."""
+and memory-mapped, so a rank's slice reads only its own bytes there too. gpt-oss's MXFP4 experts
+(`<name>_blocks` and `<name>_scales` where the parameter's name is missing) are dequantized into
+their parameter an expert at a time."""
 from __future__ import annotations
 
 import json
@@ -63,6 +65,12 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
+            packed = [p for p in model.checkpoint_pieces(name) if p.name not in files and f"{p.name}_blocks" in files]
+            if packed:
+                [piece] = packed  # an expert tensor is one checkpoint tensor (or this rank's slice of it)
+                _dequantize_into(param, handles[files[f"{piece.name}_blocks"]], handles[files[f"{piece.name}_scales"]],
+                                 piece)
+                continue
             pieces = [p if p.name in files
                       else _from_fused(p, model.cfg, files) or replace(p, name=_fallback(p.name, files))
                       for p in model.checkpoint_pieces(name)]
@@ -78,8 +86,32 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
 def _read(handle, piece: Piece) -> torch.Tensor:
     if piece.start is None:
         return handle.get_tensor(piece.name)
-    rows = handle.get_slice(piece.name)
-    return rows[piece.start:piece.stop] if piece.dim == 0 else rows[:, piece.start:piece.stop]
+    return handle.get_slice(piece.name)[(slice(None),) * piece.dim + (slice(piece.start, piece.stop),)]
+
+
+# an FP4 (E2M1) code's value: sign bit, two exponent bits, one mantissa bit
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 to fp32: blocks [..., out, groups, 16] of bytes, two FP4 codes each (the low nibble
+    first), and scales [..., out, groups], each group's 32 values' power of two biased by 127 (E8M0)
+    -> [..., groups x 32, out] (in, out: the layout gpt-oss's expert parameters hold)."""
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., out, groups, 32]
+    values = torch.tensor(FP4_VALUES)[codes]
+    values = torch.ldexp(values, scales.to(torch.int32).sub(127).unsqueeze(-1).float())
+    return values.flatten(-2).transpose(-1, -2)
+
+
+def _dequantize_into(param: torch.Tensor, blocks_file, scales_file, piece: Piece) -> None:
+    """Fill an [experts, in, out] parameter from its MXFP4 checkpoint tensors, one expert at a time
+    (a whole layer's experts in fp32 would be several GB), cut to the piece's slice where it has one."""
+    blocks, scales = blocks_file.get_slice(f"{piece.name}_blocks"), scales_file.get_slice(f"{piece.name}_scales")
+    for e in range(param.shape[0]):
+        weight = dequantize_mxfp4(blocks[e:e + 1], scales[e:e + 1])[0]
+        if piece.start is not None:  # the piece's dim counts the experts' dim first
+            weight = weight.narrow(piece.dim - 1, piece.start, piece.stop - piece.start)
+        param[e].copy_(weight)
 
 
 def _fill(param: torch.Tensor, tensors: list[torch.Tensor], dim: int) -> None:
@@ -125,6 +157,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     (under tensor parallelism: this rank's slices only)."""
     if cfg.arch in ("gemma2", "gemma3"):
         from worker.models.gemma import GemmaCausalLM as model_class
+    elif cfg.arch == "gpt_oss":
+        from worker.models.gpt_oss import GptOssCausalLM as model_class
     elif cfg.post_norm:
         from worker.models.olmo import OlmoCausalLM as model_class
     else:

@@ -477,6 +477,7 @@ def test_ministral3_matches_transformers(tmp_path, build_tiny, random_prompts, h
     with pytest.raises(ValueError, match="need llama_4_scaling_beta and original_max_position_embeddings"):
         read_model_config(rewritten(folder, tmp_path / "no-beta", rope_parameters=plain))
 
+
 def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, build_tiny):
     """OLMo 3's older spelling (rope_scaling and rope_theta for the full layers, no layer_types)
     reads as transformers 5's; SmolLM3's NoPE layers from no_rope_layer_interval when the list is
@@ -500,3 +501,71 @@ def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, bui
     assert read_model_config(unwindowed).layer_windows == (None,) * 4
     with pytest.raises(ValueError, match="no_rope_layers in config.json has 3 entries for 4 layers"):
         read_model_config(rewritten(smol, tmp_path / "smol3", no_rope_layers=[1, 1, 0]))
+
+
+GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24, head_dim=16, swiglu_alpha=1.5,
+               swiglu_limit=0.5, rope_parameters=dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0, beta_fast=32.0,
+                                                      beta_slow=1.0, original_max_position_embeddings=32, truncate=False))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_dir(build_tiny):
+    """Four layers (sliding, full, sliding, full), a limit low enough that the SwiGLU's clamps bite;
+    the norms' weights drawn around 1, the sinks around 0 (as large as the scores), the biases small."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny("gpt-oss", "gpt_oss", num_layers=4, config_extra=GPT_OSS)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.normal_(*(1.0, 0.3) if "norm" in name else (0.0, 1.0) if "sinks" in name else (0.0, 0.1))
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_gpt_oss_matches_transformers(gpt_oss_dir, random_prompts, hf_greedy):
+    """gpt-oss: sinks in every attention, windows on every other layer, YaRN, q/k/v/o biases, a router
+    with a bias, experts' interleaved gate/up with biases and a clamped SwiGLU: greedy on the native
+    and torch paths, chunked and from the prefix cache, and the top-5 logprobs (the routing's weights)."""
+    cfg = read_model_config(gpt_oss_dir)
+    assert cfg.attn_sinks and cfg.swiglu == (1.5, 0.5) and cfg.layer_windows == (24, None, 24, None)
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.qkv_bias, cfg.o_bias) == (4, 2, True, True)
+    prompts = random_prompts(4, 20, 90, seed=31)  # past the window and YaRN's original context
+    expected = hf_greedy(gpt_oss_dir, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(gpt_oss_dir, prompts, expected), gpt_oss_dir, prompts[1])
+
+
+def test_a_gpt_oss_mxfp4_folder_serves_its_experts_dequantized(tmp_path, gpt_oss_dir, random_prompts, hf_greedy):
+    """The released folders' MXFP4 experts (blocks of FP4 codes, a power-of-two scale per 32) are
+    dequantized as they load — bit for bit as transformers' own conversion does — and the model is
+    token-exact with transformers on the dequantized weights; MXFP4 elsewhere stays refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from worker.models.loader import dequantize_mxfp4
+
+    quant = dict(quant_method="mxfp4", modules_to_not_convert=["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"])
+    packed, plain = rewritten(gpt_oss_dir, tmp_path / "mxfp4", quantization_config=quant), tmp_path / "dequantized"
+    shutil.copytree(gpt_oss_dir, plain)
+    tensors, gen = load_file(gpt_oss_dir / "model.safetensors"), torch.Generator().manual_seed(7)
+    dequantized = dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, rows, cols = tensors.pop(name).shape
+        blocks = torch.randint(0, 256, (experts, cols, rows // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(119, 126, (experts, cols, rows // 32), generator=gen, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).contiguous()
+        assert torch.equal(dequantize_mxfp4(blocks, scales), dequantized[name])
+    save_file(tensors, packed / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
+    prompts = random_prompts(3, 20, 60, seed=37)
+    expected = hf_greedy(plain, prompts, 16)
+    assert expected != hf_greedy(gpt_oss_dir, prompts, 16)  # the experts' weights are the MXFP4 ones
+    assert tokens(LLM(packed, max_num_batched_tokens=32).generate(prompts, GREEDY)) == expected
+    llama = rewritten(gpt_oss_dir, tmp_path / "llama", architectures=["LlamaForCausalLM"], model_type="llama",
+                      quantization_config=quant)
+    with pytest.raises(ValueError, match=r"quantization_config \(mxfp4\).*not supported"):
+        read_model_config(llama)

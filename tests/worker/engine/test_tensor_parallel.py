@@ -2,7 +2,8 @@
 transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV head: replicated),
 Qwen3 (per-head q/k norm), Phi-3 (q/k/v and gate/up fused in the checkpoint), Gemma 3 (sliding
 layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert), OLMo 2 and OLMoE
-(q and k normed across heads the ranks split), with the prefix cache, preemption and seeded sampling
+(q and k normed across heads the ranks split), gpt-oss (sinks split with their heads, experts stored
+fused), with the prefix cache, preemption and seeded sampling
 as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ MODELS = {  # name: (arch, overrides)
     "olmo2-one-kv-head": ("olmo2", dict(num_kv_heads=1)),
     "olmoe-clipped-experts": ("olmoe", dict(num_kv_heads=2, config_extra=dict(
         num_experts=4, num_experts_per_tok=2, clip_qkv=0.3))),
+    # each rank its heads' sinks (drawn N(0, 1) by initializer_range) and a run of every expert's
+    # interleaved gate/up pairs, the down bias once
+    "gpt-oss-sinks-and-experts": ("gpt_oss", dict(num_kv_heads=2, head_dim=16, config_extra=dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=16, swiglu_limit=0.5, initializer_range=1.0))),
 }
 
 
