@@ -6,6 +6,7 @@ exactly is refused when the folder is read, by name."""
 import json
 import logging
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -535,6 +536,17 @@ def test_gpt_oss_matches_transformers(gpt_oss_dir, random_prompts, hf_greedy):
     prompts = random_prompts(4, 20, 90, seed=31)  # past the window and YaRN's original context
     expected = hf_greedy(gpt_oss_dir, prompts, 16)
     assert_top5_logprobs_match(exact_on_cpu_paths(gpt_oss_dir, prompts, expected), gpt_oss_dir, prompts[1])
+
+
+def test_a_gpt_oss_hub_config_reads_as_transformers_5s(tmp_path, gpt_oss_dir):
+    """The released folders' spelling (rope_scaling and rope_theta, no layer_types, no swiglu_alpha)
+    reads as transformers 5's: YaRN without truncation, sliding layers first, alpha 1.702."""
+    new = read_model_config(gpt_oss_dir)
+    yarn = {k: v for k, v in GPT_OSS["rope_parameters"].items() if k != "rope_theta"}
+    old = read_model_config(rewritten(gpt_oss_dir, tmp_path / "hub", rope_parameters=None, rope_scaling=yarn,
+                                      rope_theta=10_000.0, layer_types=None, swiglu_alpha=None))
+    assert old.swiglu == (1.702, 0.5) and old.rope_scaling["truncate"] is False
+    assert old == replace(new, swiglu=(1.702, 0.5))
 
 
 def test_a_gpt_oss_mxfp4_folder_serves_its_experts_dequantized(tmp_path, gpt_oss_dir, random_prompts, hf_greedy):
