@@ -107,10 +107,17 @@ def _dequantize_into(param: torch.Tensor, blocks_file, scales_file, piece: Piece
     """Fill an [experts, in, out] parameter from its MXFP4 checkpoint tensors, one expert at a time
     (a whole layer's experts in fp32 would be several GB), cut to the piece's slice where it has one."""
     blocks, scales = blocks_file.get_slice(f"{piece.name}_blocks"), scales_file.get_slice(f"{piece.name}_scales")
+    shapes = [list(t.get_shape() if hasattr(t, "get_shape") else t.shape) for t in (blocks, scales)]
+    if len(shapes[0]) != 4 or shapes[0][:3] != shapes[1] or shapes[0][0] != param.shape[0]:
+        raise ValueError(f"{piece.name}_blocks {shapes[0]} and _scales {shapes[1]}: MXFP4 experts need blocks "
+                         f"[{param.shape[0]} experts, out, groups, 16] and scales [{param.shape[0]}, out, groups]")
     for e in range(param.shape[0]):
         weight = dequantize_mxfp4(blocks[e:e + 1], scales[e:e + 1])[0]
         if piece.start is not None:  # the piece's dim counts the experts' dim first
             weight = weight.narrow(piece.dim - 1, piece.start, piece.stop - piece.start)
+        if weight.shape != param.shape[1:]:
+            raise ValueError(f"{piece.name}_blocks/_scales dequantize to {tuple(weight.shape)} an expert where the "
+                             f"config's model holds {tuple(param.shape[1:])}")
         param[e].copy_(weight)
 
 

@@ -577,6 +577,12 @@ def test_a_gpt_oss_mxfp4_folder_serves_its_experts_dequantized(tmp_path, gpt_oss
     expected = hf_greedy(plain, prompts, 16)
     assert expected != hf_greedy(gpt_oss_dir, prompts, 16)  # the experts' weights are the MXFP4 ones
     assert tokens(LLM(packed, max_num_batched_tokens=32).generate(prompts, GREEDY)) == expected
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    for wrong, message in ((tensors[name][:, :, :1], r"_scales \[4, 64, 1\]: MXFP4 experts need"),
+                           (tensors[name][:3], r"_scales \[3, 64, 4\]: MXFP4 experts need")):
+        save_file({**tensors, name: wrong.contiguous()}, packed / "model.safetensors", metadata={"format": "pt"})
+        with pytest.raises(ValueError, match=message):
+            LLM(packed)
     llama = rewritten(gpt_oss_dir, tmp_path / "llama", architectures=["LlamaForCausalLM"], model_type="llama",
                       quantization_config=quant)
     with pytest.raises(ValueError, match=r"quantization_config \(mxfp4\).*not supported"):
