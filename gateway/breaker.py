@@ -1,7 +1,8 @@
 """Circuit breaker per model version, shared by every gateway through Redis.
 
 closed → open after KVGATE_BREAKER_FAILURES failures (5xx answers, timeouts, also those a retry
-absorbed) of a version within KVGATE_BREAKER_WINDOW_S; open → its requests go to the route's stable
+absorbed; not a request that failed alone while the engine served the rest, `request_failed`) of a
+version within KVGATE_BREAKER_WINDOW_S; open → its requests go to the route's stable
 version when it is a canary's, else get a fast 503 naming it; after KVGATE_BREAKER_OPEN_S the first
 request to arrive at any gateway becomes the one probe (half-open; the script grants it once): its
 first token closes the breaker, its failure opens it for another OPEN_S. A probe that says nothing
@@ -22,7 +23,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter
 
 from shared import names
-from shared.errors import KvgateError, Overloaded
+from shared.errors import KvgateError, Overloaded, RequestFailed
 
 log = logging.getLogger("kvgate.gateway")
 CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
@@ -182,5 +183,7 @@ class Breaker:
 
 
 def counts_against(exc: KvgateError) -> bool:
-    """What the version is to blame for (as the canary analysis judges): a 5xx or a timeout."""
-    return exc.status >= 500
+    """What the version is to blame for: a 5xx or a timeout — but a request that failed alone while
+    the engine served the rest (`request_failed`): its content is the likelier cause, and counting
+    it would let one tenant's requests open the breaker for every tenant."""
+    return exc.status >= 500 and exc.code != RequestFailed.code

@@ -105,6 +105,16 @@ class EngineFailure(KvgateError):
     status, type, code = 500, "server_error", "engine_error"
 
 
+class RequestFailed(EngineFailure):
+    """One request failed in a worker for a reason nobody named (an exception on its own row of the
+    sampler, in its own template or detokenizer) while the engine served the rest: most likely its
+    content's doing, so it is not sent again, and it does not count against the version's circuit
+    breaker — one tenant's requests must not open it for every tenant (gateway/breaker.py). The
+    canary analysis still counts it as an error."""
+
+    code = "request_failed"
+
+
 class EngineStepFailed(Overloaded):
     """A batched engine step failed in a way no single request could be blamed for: every request
     in it ends with this, the engine resets and goes on; sending the request again may succeed."""
@@ -135,7 +145,7 @@ class UnsupportedSchema(EngineFailure):
 _BY_CODE = {cls.code: cls for cls in (InvalidRequest, ContextLengthExceeded, InvalidStructuredOutput,
                                       AuthenticationFailed, PermissionDenied, NotFound, Conflict,
                                       PayloadTooLarge, Unprocessable,
-                                      RateLimited, Overloaded, RequestTimeout, EngineFailure,
+                                      RateLimited, Overloaded, RequestTimeout, EngineFailure, RequestFailed,
                                       QuotaExceeded, EngineStepFailed, ResumeFailed,
                                       RequestFailedRepeatedly, UnsupportedSchema)}
 

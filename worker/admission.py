@@ -193,7 +193,7 @@ class Admission:
                       extra={"request_id": rid})
             if rid not in self.inflight:  # (a duplicate id would be the live request's)
                 self.engine.abort(rid)
-            self._fail(p, entry, ckpt, errors.EngineFailure.code,
+            self._fail(p, entry, ckpt, errors.RequestFailed.code,
                        f"the worker failed to start this request ({type(exc).__name__})")
 
     def _start(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
@@ -235,7 +235,7 @@ class Admission:
         except Exception as exc:
             log.error("request %s failed in the tokenizer (%s)", rid, type(exc).__name__, exc_info=exc,
                       extra={"request_id": rid})
-            self._fail(p, entry, ckpt, errors.EngineFailure.code,
+            self._fail(p, entry, ckpt, errors.RequestFailed.code,
                        f"the worker failed to {entry.kind} this request ({type(exc).__name__})")
             return
         self.outbox.reply(entry.reply_channel, delta, entry.v)

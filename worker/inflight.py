@@ -89,7 +89,7 @@ class InFlight:
                 log.error("request %s failed while its output was sent (%s)", out.request_id,
                           type(exc).__name__, exc_info=exc, extra={"request_id": out.request_id})
                 self.fail(out.request_id, RequestError(
-                    errors.EngineFailure.code, f"the worker failed on this request's output "
+                    errors.RequestFailed.code, f"the worker failed on this request's output "
                     f"({type(exc).__name__}); it was ended alone"))
 
     def _collect_one(self, out: RequestOutput) -> None:

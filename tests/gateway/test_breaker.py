@@ -230,3 +230,18 @@ async def test_the_xadd_passes_the_breaker_in_its_round_trip(clients, model):
         assert await _state(b, model) == OPEN
     finally:
         await d.stop()
+
+
+def test_a_request_that_failed_alone_is_neither_counted_nor_sent_again():
+    """One tenant's requests that fail alone in a working engine (its content: a grammar with no
+    way on, a template its messages break) must not open the breaker for every tenant, nor be
+    doubled by a retry; a failed step, an engine failure and a lost resume still are both."""
+    from gateway.breaker import counts_against
+    from gateway.retry import retryable
+    from shared.errors import from_code
+
+    alone = from_code("request_failed", "the engine failed on this request (ValueError)")
+    assert alone.status == 500 and not counts_against(alone) and not retryable(alone)
+    for code, again in (("engine_error", False), ("engine_step_failed", True), ("resume_failed", True)):
+        failure = from_code(code, "x", retryable=again)
+        assert counts_against(failure) and retryable(failure), code

@@ -161,7 +161,7 @@ def request_error(request_id: str, exc: Exception) -> RequestError:
         return RequestError(exc.code, str(exc), param=exc.param)
     log.error("request %s failed in the engine (%s); it ends alone", request_id, type(exc).__name__,
               exc_info=exc, extra={"request_id": request_id})
-    return RequestError("engine_error", f"the engine failed on this request ({type(exc).__name__}); "
+    return RequestError("request_failed", f"the engine failed on this request ({type(exc).__name__}); "
                         "it was ended alone")
 
 

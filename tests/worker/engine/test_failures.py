@@ -148,7 +148,7 @@ def test_a_request_whose_sampling_raises_fails_alone_in_its_batch(model_dir, exp
                                                             stop_token_ids=[99999999], min_tokens=1))
     done = run(engine)
     assert done["poison"]["reason"] == "error" and done["poison"]["ids"] == []
-    assert done["poison"]["error"].code == "engine_error" and not done["poison"]["error"].retryable
+    assert done["poison"]["error"].code == "request_failed" and not done["poison"]["error"].retryable
     assert "IndexError" in done["poison"]["error"].message
     assert [done[str(i)]["ids"] for i in range(len(prompts))] == want
     assert all(done[str(i)]["error"] is None for i in range(len(prompts)))
@@ -172,7 +172,7 @@ def test_a_request_whose_detokenizing_raises_fails_alone(model_dir, expected, ki
                                                             stop=["boom"], n=2))
     engine.add_request("b", prompts[2], GREEDY)
     done = run(engine)
-    assert done["poison"]["reason"] == "error" and done["poison"]["error"].code == "engine_error"
+    assert done["poison"]["reason"] == "error" and done["poison"]["error"].code == "request_failed"
     assert "UnicodeDecodeError" in done["poison"]["error"].message
     assert [done["a"]["ids"], done["b"]["ids"]] == want[1:3]
     assert not engine.has_unfinished()
