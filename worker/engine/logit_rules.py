@@ -7,6 +7,9 @@ from collections.abc import Callable
 
 import torch
 
+from worker.engine.structured import CODE, PARAM
+from worker.engine.types import EngineRejected
+
 
 def apply_logit_bias(logits: torch.Tensor, rows) -> torch.Tensor:
     """OpenAI's logit_bias: the bias added to the given ids' logits, one scatter for the batch. Each
@@ -55,7 +58,9 @@ class GrammarMasks:
     """Tokens the grammar forbids become -inf, for every constrained row in one op: each active
     matcher fills its row of one bitmask, and xgrammar applies the rows listed. The bitmask is kept
     between steps (allocating it cost a fifth of the op): a filled row is written whole, and rows
-    not listed are never read."""
+    not listed are never read. A grammar that leaves a row no token at all (a pattern that can
+    match nothing, `[^\\s\\S]`, or nothing past a prefix) is the request's to answer for: a 400 that
+    names it, raised for the batch and, row by row (Sampler.sample), for its row alone."""
 
     def __init__(self):
         self._bitmask = None
@@ -71,6 +76,13 @@ class GrammarMasks:
             rows[r].constraint.fill(bitmask, r)
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         indices=constrained)
+        idx = torch.tensor(constrained, device=logits.device)
+        if not bool((logits.index_select(0, idx) > float("-inf")).any(dim=1).all()):
+            open_rows = (logits.index_select(0, idx) > float("-inf")).any(dim=1).tolist()
+            row = rows[constrained[open_rows.index(False)]]
+            raise EngineRejected(f"the structured_outputs grammar leaves no token to write after {row.step} tokens "
+                                 "of output: it can match nothing from there (an empty character class or range, a "
+                                 "schema no value satisfies)", CODE, PARAM)
         return logits
 
     def _rows(self, n: int, vocab: int) -> torch.Tensor:

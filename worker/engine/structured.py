@@ -199,6 +199,7 @@ class Grammars:
                 grammar = compiler.compile_grammar(value)
         except Exception as exc:
             raise EngineRejected(compile_error(spec, exc), CODE, PARAM) from None
+        self._check_opening(grammar, kind)
         self.compile_seconds.append(time.perf_counter() - start)
         if grammar.memory_size_bytes > self.cache_bytes:
             raise EngineRejected(f"the structured_outputs {kind} compiles to a grammar of "
@@ -206,6 +207,28 @@ class Grammars:
                                  f"at most {self.cache_bytes / 2**20:g} MiB (structured_cache_mb): "
                                  "simplify it", CODE, PARAM)
         return grammar
+
+    def _check_opening(self, grammar, kind: str) -> None:
+        """A grammar that allows no first token has nothing in its language (`[^\\s\\S]`); a JSON
+        schema whose only string is the empty one is one xgrammar could not express (a number range
+        narrower than it writes digits: minimum 1e-7, maximum 2e-7), since no JSON document is empty.
+        Either is refused before any token (a grammar that dead-ends later is caught as it samples:
+        logit_rules.GrammarMasks)."""
+        import torch
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(1, self._vocab_size)
+        xgr.GrammarMatcher(grammar).fill_next_token_bitmask(mask, 0)
+        allowed = ((mask[0].unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[:self._vocab_size]
+        stops = [t for t in self._eos_token_ids if t < self._vocab_size]
+        if not bool(allowed.any()):
+            raise EngineRejected(f"the structured_outputs {kind} can match nothing: its grammar allows no first "
+                                 "token (an empty character class or range?)", CODE, PARAM)
+        if kind in ("json", "json_object") and not bool(allowed.index_fill(0, torch.tensor(stops, dtype=torch.long),
+                                                                                0).any()):
+            raise EngineRejected("the structured_outputs json schema compiles to a grammar of the empty string "
+                                 "only: xgrammar cannot express it (a number range narrower than the digits "
+                                 "it writes?)", CODE, PARAM)
 
     def compiler(self):
         """xgrammar's compiler, its TokenizerInfo built from the HF tokenizer with the model's

@@ -199,6 +199,41 @@ def test_a_bad_spec_fails_its_request_alone(engine, spec, words):
 
 
 @pytest.mark.parametrize("spec, words", [
+    (StructuredOutputs(regex=r"[^\s\S]"), "regex can match nothing"),
+    (StructuredOutputs(grammar="root ::= [^\\x00-\\U0010FFFF]"), "grammar can match nothing"),
+    (StructuredOutputs(json=json.dumps({"type": "number", "minimum": 1e-7, "maximum": 2e-7})),
+     "the empty string only: xgrammar cannot express it"),
+])
+def test_a_grammar_with_nothing_to_write_is_refused_before_any_token(engine, spec, words):
+    """An empty language sent every logit to -inf (a 500 the gateway retried and counted against the
+    version's breaker); a schema xgrammar turns into the empty string answered "" as if it held."""
+    out = run(engine, {"none": (PROMPT, SamplingParams(max_tokens=10, structured_outputs=spec))})
+    error = out["none"][0][3]
+    assert out["none"][0][2] == "error" and error.code == "invalid_structured_output" and words in error.message
+    assert out["none"][0][0] == []
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_that_dead_ends_fails_its_request_alone_as_a_400(engine, temperature):
+    """Nothing past a prefix: the request ends where the grammar does, naming it; the rest of the
+    batch is untouched."""
+    spec = StructuredOutputs(regex=r"ab[^\s\S]")
+    out = run(engine, {
+        "dead": (PROMPT, SamplingParams(max_tokens=10, temperature=temperature, structured_outputs=spec, n=2)),
+        "good": (PROMPT, json_params(SCHEMAS["person"], seed=3)),
+        "free": (PROMPT, SamplingParams(max_tokens=5, temperature=temperature, ignore_eos=True)),
+    })
+    error = out["dead"][0][3]
+    assert out["dead"][0][2] == "error" and error.code == "invalid_structured_output", error
+    # "ab" in two tokens, or in one where the vocabulary holds it (either choice may be the first to end)
+    assert re.search(r"leaves no token to write after [12] tokens", error.message), error.message
+    assert out["dead"][0][1] in ("a", "ab") and error.param == "structured_outputs"
+    jsonschema.validate(json.loads(out["good"][0][1]), SCHEMAS["person"])
+    assert len(out["free"][0][0]) == 5 and out["free"][0][3] is None
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("spec, words", [
     (StructuredOutputs(json="{not json"), "not valid JSON"),
     (StructuredOutputs(choice=[]), "non-empty list"),
     (StructuredOutputs(regex="a", choice=["a"]), "exactly one"),
