@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from gateway import bounds as b
 from gateway.bounded import encodable
+from shared.sampling import json_depth
 
 # arguments the template is rendered with by the worker itself: a client must not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -18,6 +19,20 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message", "tokenize", "return_dict", "return_tensors", "return_assistant_tokens_mask",
     "chat_template", "tokenizer", "padding", "truncation", "max_length",
     "bos_token", "eos_token", "pad_token", "unk_token"})
+
+
+def call_arguments(text: str) -> str:
+    """JSON text, read as strictly as a request body is (no NaN or Infinity, no lone surrogate, no
+    number past a double) and nested no deeper than a schema: the worker renders the conversation
+    with the arguments parsed (templates expect a mapping), where a deep one would exhaust Python's
+    recursion limit."""
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"must be JSON text ({exc})") from None
+    if json_depth(value) > b.TOOL_ARGUMENTS_DEPTH:
+        raise ValueError(f"JSON nested at most {b.TOOL_ARGUMENTS_DEPTH} deep")
+    return text
 
 
 def _schema_size(schema: dict[str, Any]) -> dict[str, Any]:
@@ -34,6 +49,8 @@ def _template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ValueError(f"{', '.join(reserved)}: set by kvgate itself, not by chat_template_kwargs")
+    if json_depth(kwargs) > b.TEMPLATE_KWARGS_DEPTH:  # before orjson, which refuses past 255 with a TypeError
+        raise ValueError(f"nested at most {b.TEMPLATE_KWARGS_DEPTH} deep")
     if len(orjson.dumps(kwargs)) > b.TEMPLATE_KWARGS_CHARS:
         raise ValueError(f"at most {b.TEMPLATE_KWARGS_CHARS} characters of JSON are allowed")
     return kwargs
@@ -106,7 +123,8 @@ ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 class CalledFunction(BaseModel):
     name: FunctionName
-    arguments: Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS)]  # JSON text, as OpenAI sends
+    arguments: Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS),
+                         AfterValidator(call_arguments)]  # JSON text, as OpenAI sends
 
 
 class ToolCallIn(BaseModel):

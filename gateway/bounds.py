@@ -50,6 +50,9 @@ TOOL_CALLS = 128  # calls one assistant message may carry
 TOOL_CALL_ID_CHARS = 256
 TEMPLATE_KWARGS = 32
 TEMPLATE_KWARGS_CHARS = 4096  # chat_template_kwargs as JSON text
+TEMPLATE_KWARGS_DEPTH = 16  # and nested at most this deep
+REPETITION_PENALTY_MIN = 0.01  # a smaller one rounds to 0 in float32 (below ~1e-45), or makes logits overflow
+TOOL_ARGUMENTS_DEPTH = SCHEMA_DEPTH  # messages[].tool_calls[].function.arguments: JSON nested at most this deep
 
 BOUNDS = (
     Bound("model", 1, MODEL_NAME_CHARS, "characters"),
@@ -62,7 +65,7 @@ BOUNDS = (
     Bound("top_k", -1, TOP_K, "-1 or 0: off; at or above the vocabulary: off"),
     Bound("min_p", 0, 1),
     Bound("presence_penalty, frequency_penalty", -2, 2),
-    Bound("repetition_penalty", 0, 10, "greater than 0"),
+    Bound("repetition_penalty", REPETITION_PENALTY_MIN, 10, "the seen tokens' logits are scaled by it, in float32"),
     Bound("seed", 0, INT64_MAX),
     Bound("priority", -PRIORITY, PRIORITY, "lower is served first; a key may ask only for its "
           "own best priority or worse"),
@@ -88,9 +91,11 @@ BOUNDS = (
     Bound("tools[].function.description, response_format.json_schema.description", 0,
           DESCRIPTION_CHARS, "characters"),
     Bound("messages[].tool_calls", 0, TOOL_CALLS, f"calls; ids and tool_call_id up to "
-          f"{TOOL_CALL_ID_CHARS} characters"),
+          f"{TOOL_CALL_ID_CHARS} characters; function.arguments JSON text (strict: no NaN, no lone "
+          f"surrogate) of at most {SCHEMA_CHARS} characters, nested at most {TOOL_ARGUMENTS_DEPTH} deep"),
     Bound("chat_template_kwargs", 0, TEMPLATE_KWARGS, f"keys, at most {TEMPLATE_KWARGS_CHARS} "
-          "characters as JSON; the template's own arguments (messages, tools, "
+          f"characters as JSON, nested at most {TEMPLATE_KWARGS_DEPTH} deep; the template's own "
+          "arguments (messages, tools, "
           "add_generation_prompt, tokenize, …) are refused"),
 )
 

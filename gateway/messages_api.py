@@ -37,6 +37,7 @@ router = APIRouter(prefix="/v1", dependencies=[Depends(admit), Depends(_anthropi
 async def create_message(body: MessagesRequest, request: Request, lease: Admitted, state: StateDep):
     if lease.resuming:  # the client lost its stream and asks for the rest (Last-Event-ID)
         return await resume_request(request, state, lease, API)
+    body.refuse_unserved()
     call = Call.chat(answer_io.chat_request(body.chat()))
     answer = await open_answer(request, state, lease, call)
     items = Items(answer.shape.output(0), stops=list(body.stop_sequences or ()))

@@ -12,12 +12,16 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field
 from gateway import bounds as b
 from gateway.agent_schemas import CallId, Description, FunctionName, Schema
 from gateway.schemas import StopString
+from gateway.unsupported import refuse_chat_fields
 from shared.errors import InvalidRequest
+from shared.sampling import json_depth
 
 
 def _arguments(value: dict[str, Any]) -> dict[str, Any]:
     """A call's input must travel as JSON text (chat's `arguments`): no integer past 64 bits, and
-    no larger than a schema may be."""
+    no larger nor deeper than a schema may be."""
+    if json_depth(value) > b.TOOL_ARGUMENTS_DEPTH:
+        raise ValueError(f"JSON nested at most {b.TOOL_ARGUMENTS_DEPTH} deep")
     try:
         size = len(orjson.dumps(value))
     except TypeError as exc:
@@ -135,7 +139,7 @@ class CountTokensRequest(BaseModel):
 
 
 class MessagesRequest(CountTokensRequest):
-    model_config = ConfigDict(extra="ignore")  # metadata, service_tier, container: labels
+    model_config = ConfigDict(extra="allow")  # metadata, service_tier: labels; what changes output: below
 
     max_tokens: int = Field(ge=1, le=b.MAX_TOKENS)  # required, as Anthropic requires it
     stop_sequences: list[StopString] | None = Field(None, max_length=b.STOP_SEQUENCES, fail_fast=True)
@@ -144,6 +148,16 @@ class MessagesRequest(CountTokensRequest):
     top_k: int | None = Field(None, ge=0, le=b.TOP_K)
     output_config: OutputConfig | None = None
     stream: bool = False
+
+    def refuse_unserved(self) -> None:
+        """400 naming what kvgate does not do here, rather than ignore it."""
+        for name in ("mcp_servers", "container"):
+            if (self.model_extra or {}).get(name) is not None:
+                raise InvalidRequest(f"{name} is not supported: kvgate runs no server tools", param=name,
+                                     code="unsupported_parameter")
+        refuse_chat_fields(self, "/v1/messages", {"stop": "stop_sequences", "max_completion_tokens": "max_tokens",
+                                                  "response_format": "output_config.format",
+                                                  "chat_template_kwargs": "thinking"})
 
     def chat(self) -> dict[str, Any]:
         """The chat request this is. A stop sequence is asked with include_stop_str_in_output, so

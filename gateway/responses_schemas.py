@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
 from typing_extensions import TypedDict
 
 from gateway import bounds as b
 from gateway.bounded import mapping
-from gateway.agent_schemas import CallId, Description, FunctionName, Schema
+from gateway.agent_schemas import CallId, Description, FunctionName, Schema, call_arguments
+from gateway.unsupported import refuse_chat_fields
 from shared.errors import InvalidRequest
 
 Text = Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS * 32)]  # the body limit binds first
@@ -46,7 +47,7 @@ class FunctionCallItem(BaseModel):
     type: Literal["function_call"]
     call_id: CallId
     name: FunctionName
-    arguments: Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS)]
+    arguments: Annotated[str, StringConstraints(max_length=b.SCHEMA_CHARS), AfterValidator(call_arguments)]
 
 
 class FunctionCallOutputItem(BaseModel):
@@ -139,6 +140,10 @@ class ResponsesRequest(BaseModel):
     def refuse_unserved(self) -> None:
         """400 naming what kvgate does not do, rather than ignore it."""
         extra = self.model_extra or {}
+        refuse_chat_fields(self, "/v1/responses", {"max_tokens": "max_output_tokens",
+                                                   "max_completion_tokens": "max_output_tokens",
+                                                   "response_format": "text.format",
+                                                   "reasoning_effort": "reasoning.effort"})
         if self.background:
             raise InvalidRequest("background responses are not supported; send background: false "
                                  "(stream: true gives the same early start)", param="background",

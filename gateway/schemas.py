@@ -49,7 +49,7 @@ class _Sampling(BaseModel):
     seed: int | None = Field(None, ge=0, le=b.INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    repetition_penalty: float = Field(1.0, ge=b.REPETITION_PENALTY_MIN, le=10.0)
     min_tokens: int = Field(0, ge=0, le=b.MAX_TOKENS)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=b.STOP_TOKEN_IDS, fail_fast=True)

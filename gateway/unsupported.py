@@ -72,3 +72,30 @@ def _declared(schema: type) -> frozenset[str]:
     """The fields a request schema declares, once per schema: pydantic's `model_fields` is a
     deprecation-checking property (~0.4 µs a read), read once per rule it was half of the check."""
     return frozenset(schema.model_fields)
+
+
+# what chat and completions take (OpenAI's and vLLM's) that changes the output, and that the
+# Responses and Messages APIs do not have: sent to either, refused by name (with that API's own
+# spelling where it has one), not dropped
+CHAT_ONLY = ("stop", "n", "logit_bias", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+             "repetition_penalty", "min_p", "min_tokens", "stop_token_ids", "ignore_eos",
+             "include_stop_str_in_output", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+             "guided_grammar", "response_format", "chat_template_kwargs", "max_tokens", "max_completion_tokens",
+             "best_of", "echo", "suffix", "prompt_logprobs", "reasoning_effort", "allowed_token_ids",
+             "bad_words", "skip_special_tokens")
+# their values that change nothing (a client that sends chat's defaults along is not refused)
+NEUTRAL = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+           "min_p": 0, "min_tokens": 0, "ignore_eos": False, "include_stop_str_in_output": False, "best_of": 1,
+           "echo": False, "skip_special_tokens": True, "stop": [], "stop_token_ids": [], "logit_bias": {}}
+
+
+def refuse_chat_fields(body, api: str, spelled: dict[str, str]) -> None:
+    """400 naming the first chat-only field `body` (a schema that keeps its extras) sets."""
+    extra = body.model_extra or {}
+    for name in CHAT_ONLY:
+        value = extra.get(name)
+        if value is not None and name not in _declared(type(body)) and value != NEUTRAL.get(name, object()):
+            hint = f"; {api} spells it {spelled[name]}" if name in spelled else ""
+            raise InvalidRequest(f"{name} is not a {api} field (it is chat completions'): it would change the "
+                                 f"output, so it is refused rather than ignored{hint}", param=name,
+                                 code="unsupported_parameter")

@@ -249,3 +249,39 @@ def test_a_schema_nested_too_deep_is_refused_before_it_is_compiled(check):
     assert err.param == "guided_json" and "deeper than" in err.message
     assert time.monotonic() - started < 5
     assert json_depth({"a": [1, {"b": {}}]}) == 4 and json_depth(5) == 0
+
+
+@pytest.mark.parametrize("field, value, hint", [
+    ("stop", ["x"], None), ("logit_bias", {"5": 10}, None), ("n", 2, None), ("presence_penalty", 1.0, None),
+    ("structured_outputs", {"regex": "a+"}, None), ("chat_template_kwargs", {"enable_thinking": True}, None),
+    ("response_format", {"type": "json_object"}, "text.format"), ("max_tokens", 5, "max_output_tokens"),
+    ("min_tokens", 3, None), ("stop_token_ids", [7], None),
+])
+def test_chat_fields_sent_to_responses_are_refused_by_name_not_dropped(field, value, hint):
+    """They changed the output on chat and were silently dropped here (200, unconstrained text)."""
+    from gateway.responses_schemas import ResponsesRequest
+
+    body = ResponsesRequest.model_validate({"model": "m", "input": "hi", field: value})
+    err = _refusal(body.refuse_unserved)
+    assert err.param == field and err.code == "unsupported_parameter" and field in err.message
+    assert hint is None or hint in err.message
+    ResponsesRequest.model_validate({"model": "m", "input": "hi", "n": 1, "logprobs": False, "stop": [],
+                                     "metadata": {"a": "b"}}).refuse_unserved()  # chat's defaults change nothing
+
+
+@pytest.mark.parametrize("field, value, hint", [
+    ("stop", ["x"], "stop_sequences"), ("response_format", {"type": "json_object"}, "output_config.format"),
+    ("logit_bias", {"5": 10}, None), ("n", 3, None), ("guided_regex", "a+", None),
+    ("chat_template_kwargs", {"enable_thinking": False}, "thinking"), ("mcp_servers", [{"url": "x"}], None),
+    ("container", "c1", None),
+])
+def test_chat_fields_and_server_tools_sent_to_messages_are_refused_by_name(field, value, hint):
+    from gateway.messages_schemas import MessagesRequest
+
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                                           field: value})
+    err = _refusal(body.refuse_unserved)
+    assert err.param == field and err.code == "unsupported_parameter"
+    assert hint is None or hint in err.message
+    MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+                                    "metadata": {"user_id": "u"}, "service_tier": "auto"}).refuse_unserved()

@@ -151,3 +151,46 @@ def test_a_huge_bad_list_is_refused_at_its_first_entry(model, body, where):
         model.model_validate({"model": "m", **body})
     errors = refused.value.errors()
     assert len(errors) <= 3 and where in [e["loc"] for e in errors]
+
+
+def _call(arguments: str) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
+def _nested(depth: int) -> dict:
+    value: dict = {}
+    for _ in range(depth - 1):
+        value = {"a": value}
+    return value
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"repetition_penalty": 1e-46}, "greater than or equal to 0.01"),  # 0.0 in float32: NaN logits
+    ({"chat_template_kwargs": {"k": _nested(300)}}, "nested at most 16 deep"),  # orjson: TypeError past 255
+    ({"chat_template_kwargs": {"k": _nested(16)}}, "nested at most 16 deep"),
+    ({"messages": [_call('{"a": "\\ud800"}')]}, "must be JSON text"),  # a lone surrogate the tokenizer can't take
+    ({"messages": [_call("[" * 3000 + "]" * 3000)]}, "must be JSON text"),  # past Python's recursion limit
+    ({"messages": [_call("[" * 65 + "]" * 65)]}, "nested at most 64 deep"),
+    ({"messages": [_call('{"a": NaN}')]}, "must be JSON text"),
+    ({"messages": [_call('{"a": 1e999}')]}, "must be JSON text"),
+])
+def test_what_the_worker_could_not_render_is_refused_naming_the_limit(fields, says):
+    """Each of these reached the worker and failed there as a 500 its retry doubled (and which
+    counted against the version's circuit breaker); now a 422 names the limit."""
+    with pytest.raises(ValidationError, match=says):
+        _chat(**fields)
+    _chat(messages=[_call('{"a": [1, {"b": "é"}]}')], chat_template_kwargs={"k": _nested(15)}, repetition_penalty=0.01)
+
+
+def test_calls_going_back_through_responses_and_messages_are_read_as_strictly():
+    from gateway.messages_schemas import MessagesRequest
+    from gateway.responses_schemas import ResponsesRequest
+
+    with pytest.raises(ValidationError, match="must be JSON text"):
+        ResponsesRequest.model_validate({"model": "m", "input": [
+            {"type": "function_call", "call_id": "c", "name": "f", "arguments": "[" * 3000 + "]" * 3000}]})
+    with pytest.raises(ValidationError, match="nested at most 64 deep"):
+        MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": _nested(65)}]}]})

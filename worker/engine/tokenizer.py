@@ -97,7 +97,11 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
     except Exception as exc:  # the template is fixed, so whatever it raises, the messages caused
         raise EngineRejected(f"the model's chat template refused these messages: "
                              f"{str(exc) or type(exc).__name__}", "invalid_request", "messages") from exc
-    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # the template placed BOS
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))  # the template placed BOS
+    except (TypeError, UnicodeError) as exc:  # text UTF-8 cannot hold (a lone surrogate the gateway let by)
+        raise EngineRejected(f"the rendered messages cannot be encoded: {exc}", "invalid_request",
+                             "messages") from exc
 
 
 def _template_message(message: dict, position: int) -> dict:
@@ -115,9 +119,9 @@ def _parsed_call(call, position: int, index: int):
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past Python's limit
         raise EngineRejected(f"messages[{position}].tool_calls[{index}].function.arguments is not JSON: "
-                             f"{exc}", "invalid_request", "messages") from exc
+                             f"{str(exc) or type(exc).__name__}", "invalid_request", "messages") from exc
     return {**call, "function": {**function, "arguments": arguments}}
 
 

@@ -82,11 +82,17 @@ def test_a_tool_call_round_trip_renders_arguments_as_json_and_results_in_a_user_
     assert messages[1]["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}', "not mutated"
 
 
-def test_tool_call_arguments_that_are_not_json_are_the_requests_error(folder):
+@pytest.mark.parametrize("arguments, says", [
+    ("{city: Paris", r"messages\[1\].tool_calls\[0\].function.arguments is not JSON"),
+    ("[" * 3000 + "]" * 3000, r"function.arguments is not JSON: maximum recursion depth"),
+    ('{"a": "\\ud800"}', "the rendered messages cannot be encoded"),  # a lone surrogate reaches the tokenizer
+])
+def test_tool_call_arguments_the_worker_cannot_render_are_the_requests_error(folder, arguments, says):
+    """Refused by the gateway first (tests/gateway/test_bounds.py); here, for entries that did not
+    come through it, the worker's refusal is the request's (a 400), not a failure of its own."""
     tok = load_tokenizer(folder)
-    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}}
-    with pytest.raises(EngineRejected, match=r"messages\[1\].tool_calls\[0\].function.arguments is not "
-                                             r"JSON") as caught:
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    with pytest.raises(EngineRejected, match=says) as caught:
         render_chat(tok, [{"role": "user", "content": "hi"},
                           {"role": "assistant", "content": None, "tool_calls": [call]}])
     assert caught.value.code == "invalid_request" and caught.value.param == "messages"
