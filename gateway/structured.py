@@ -123,6 +123,10 @@ def problem(kind: str, text: str) -> tuple[str, str] | None:
         found = _meta_problem(schema)
         if found is not None or kind == "schema":
             return found
+        unenforced = _unenforced(schema)
+        if unenforced is not None:
+            return "invalid_schema", (f" uses {unenforced[1]} at {unenforced[0]}, which the grammar cannot enforce "
+                                      f"(none of {', '.join(UNENFORCED)} is): the output could break it; leave it out")
     import xgrammar as xgr
 
     try:
@@ -134,6 +138,40 @@ def problem(kind: str, text: str) -> tuple[str, str] | None:
             xgr.Grammar.from_ebnf(text)
     except RuntimeError as exc:  # xgrammar's parse errors: "[time] file.cc:line: what went wrong"
         return "invalid_structured_output", f" does not compile: {str(exc).strip().split(': ', 1)[-1]}"
+    return None
+
+
+# JSON schema keywords xgrammar's grammars do not enforce: their grammar is that of the schema without
+# them (checked by comparing the two), or for `not` and `if`, an equivalent one; an output could break
+# them and still be "valid", so a schema that uses one is refused by name rather than half-honoured
+UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+              "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+_SCHEMA_ONE = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains",
+               "propertyNames", "unevaluatedItems", "unevaluatedProperties")
+_SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")
+
+
+def _unenforced(schema: Any) -> tuple[str, str] | None:
+    """(where, keyword) of the first keyword of UNENFORCED the schema uses, walking only where
+    schemas are (a property named "not" is a name, not a keyword; an enum's values are data)."""
+    todo = [(schema, "#")]
+    while todo:
+        node, where = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        for word in UNENFORCED:
+            if word in node:
+                return where, word
+        for key in _SCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                todo += [(sub, f"{where}/{key}/{name}") for name, sub in node[key].items()]
+        for key in _SCHEMA_ONE:
+            if isinstance(node.get(key), dict):
+                todo.append((node[key], f"{where}/{key}"))
+        for key in _SCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                todo += [(sub, f"{where}/{key}/{i}") for i, sub in enumerate(node[key])]
     return None
 
 

@@ -285,3 +285,24 @@ def test_chat_fields_and_server_tools_sent_to_messages_are_refused_by_name(field
     assert hint is None or hint in err.message
     MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
                                     "metadata": {"user_id": "u"}, "service_tier": "auto"}).refuse_unserved()
+
+
+@pytest.mark.parametrize("schema, where, word", [
+    ({"type": "array", "items": {"type": "boolean"}, "uniqueItems": True, "minItems": 3}, "#", "uniqueItems"),
+    ({"type": "object", "properties": {"v": {"type": "integer", "not": {"const": 3}}}}, "#/properties/v", "not"),
+    ({"anyOf": [{"type": "integer"}, {"type": "array", "contains": {"const": 1}}]}, "#/anyOf/1", "contains"),
+    ({"$defs": {"x": {"type": "integer", "if": {"minimum": 3}, "then": {"maximum": 5}}}, "$ref": "#/$defs/x"},
+     "#/$defs/x", "if"),
+    ({"type": "object", "properties": {"a": {}, "b": {}}, "dependentRequired": {"a": ["b"]}}, "#", "dependentRequired"),
+])
+def test_a_json_schema_keyword_the_grammar_cannot_enforce_is_refused_by_name(schema, where, word):
+    """uniqueItems on booleans gave [false, true, true], which the client was told matched."""
+    code, message = structured.problem("json", json.dumps(schema))
+    assert code == "invalid_schema" and f"uses {word} at {where}, which the grammar cannot enforce" in message
+
+
+def test_keyword_names_used_as_property_names_or_enum_values_are_not_refused():
+    schema = {"type": "object", "properties": {"not": {"type": "string"}, "contains": {"enum": ["if", "then"]}},
+              "required": ["not"], "$defs": {"uniqueItems": {"type": "integer"}}}
+    assert structured.problem("json", json.dumps(schema)) is None
+    assert structured.problem("schema", json.dumps({"type": "array", "uniqueItems": True})) is None  # a tool's: not enforced anyway
