@@ -104,7 +104,7 @@ def demo_model(directory: str) -> None:
 @click.option("--cpu-linear-kernel", type=click.Choice(["auto", "onednn", "aten", "onednn_t", "aten_t", "onednn_p", "native"]),
               default=None, help="The linears' GEMM path on CPU [default: auto, timed at load]")
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
-@click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1"]), default=None,
+@click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1", "harmony"]), default=None,
               help="How the model marks its thinking [default: from the chat template]")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
               help="How the model writes tool calls [default: from the chat template]")

@@ -247,7 +247,7 @@ class WorkerSettings(CommonSettings):
     enforce_eager: bool = Field(False, description="No CUDA graphs for decode steps (on CUDA they "
                                 "are captured at start-up)")
     reasoning_parser: str | None = Field(None, description="How the model marks its thinking "
-                                         "(qwen3, deepseek_r1; default: from the chat template): "
+                                         "(qwen3, deepseek_r1, harmony; default: from the chat template): "
                                          "thinking goes to reasoning_content")
     tool_call_parser: str | None = Field(None, description="How the model writes tool calls (hermes, "
                                          "llama3; default: from the chat template)")

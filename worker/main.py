@@ -4,7 +4,7 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-from dataclasses import fields
+from dataclasses import astuple, fields
 
 from shared import logs, reasoning, telemetry, tool_parsers
 from shared.settings import WorkerSettings
@@ -38,19 +38,19 @@ def resolve_parsers(s: WorkerSettings, tokenizer) -> WorkerSettings:
         template = "\n".join(t for t in template.values() if isinstance(t, str))
     think = s.reasoning_parser or reasoning.detect(template)
     tools = s.tool_call_parser or tool_parsers.detect(template)
-    if think is not None and think not in reasoning.PARSERS:
+    if think is not None and think not in (*reasoning.PARSERS, reasoning.HARMONY):
         raise ValueError(f"unknown --reasoning-parser {think!r}; choose one of "
-                         f"{', '.join(reasoning.PARSERS)}")
+                         f"{', '.join((*reasoning.PARSERS, reasoning.HARMONY))}")
     if tools is not None and tools not in tool_parsers.NAMES:
         raise ValueError(f"unknown --tool-call-parser {tools!r}; choose one of "
                          f"{', '.join(tool_parsers.NAMES)}")
     if think is not None and Markers.of(tokenizer, think) is None:
-        words = reasoning.PARSERS[think]
+        words = reasoning.HARMONY_TOKENS if think == reasoning.HARMONY else astuple(reasoning.PARSERS[think])
         if s.reasoning_parser:
-            raise ValueError(f"--reasoning-parser {think}: {words.start} and {words.end} are not single "
+            raise ValueError(f"--reasoning-parser {think}: {' and '.join(words)} are not single "
                              f"tokens of this model's tokenizer")
-        log.warning("the chat template writes %s, but it is not one token here: no reasoning parser",
-                    words.start)
+        log.warning("the chat template writes %s, but they are not single tokens here: no reasoning parser",
+                    " and ".join(words))
         think = None
     return s.model_copy(update={"reasoning_parser": think, "tool_call_parser": tools})
 

@@ -6,9 +6,14 @@ holds back half a character, or a possible stop string). The markers appear in n
 
 The state is rebuilt from the prompt and the tokens already emitted, so a preempted or taken-over
 request splits its text on as before.
+
+gpt-oss's harmony replies (`HarmonySplit`) are split by channel instead: the analysis channel's
+bodies are the thinking, the other bodies the answer, and the headers (role, channel, recipient)
+neither.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,10 +31,12 @@ class Markers:
     end_text: str
 
     @classmethod
-    def of(cls, tokenizer, parser: str) -> Markers | None:
+    def of(cls, tokenizer, parser: str) -> Markers | HarmonyMarkers | None:
         """None when the tokenizer has no single token for each marker."""
         from worker.engine.tokenizer import marker_ids
 
+        if parser == reasoning.HARMONY:
+            return HarmonyMarkers.of(tokenizer)
         words = reasoning.PARSERS[parser]
         ids = marker_ids(tokenizer, (words.start, words.end))
         if ids is None:
@@ -79,3 +86,86 @@ def _partial(text: str, mark: str) -> int:
         if text.endswith(mark[:n]):
             return n
     return 0
+
+
+class HarmonyMarkers:
+    """harmony's special tokens in one tokenizer, and how it decodes a header."""
+
+    def __init__(self, ids: reasoning.HarmonyIds, tokenizer):
+        self.ids, self.tokenizer = ids, tokenizer
+
+    @classmethod
+    def of(cls, tokenizer) -> HarmonyMarkers | None:
+        from worker.engine.tokenizer import marker_ids
+
+        ids = marker_ids(tokenizer, reasoning.HARMONY_TOKENS)
+        return None if ids is None else cls(reasoning.HarmonyIds(*ids), tokenizer)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def split(self, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> HarmonySplit:
+        state = reasoning.Harmony(self.ids, self.decode, prompt_ids)
+        for token in output_ids:  # resumed: where the reply is, its text already sent
+            state.feed(token)
+        return HarmonySplit(self, state)
+
+
+class HarmonySplit:
+    """One choice's harmony reply, its released text routed by what each token was. The text comes
+    later than its tokens (the detokenizer holds back half a character or a possible stop string), so
+    tokens are kept in runs of one kind (a header's: dropped; a body's: thinking or answer); a run's
+    length in characters is known when the next one starts (the decode of its ids: a byte-level
+    vocabulary's text is its runs' texts end to end, special tokens none), and the text released
+    goes to the runs in order."""
+
+    def __init__(self, markers: HarmonyMarkers, state: reasoning.Harmony):
+        self.m, self.state = markers, state
+        self.closed: deque[list] = deque()  # [kind, characters still to come], in order
+        self.kind = self._kind("body" if state.body is not None or not state.started else "header")
+        self.run, self.taken = [], 0
+        self.held = ""  # the open header's text: dropped when it closes, the answer's if it overflows
+
+    def add(self, token_ids: Sequence[int], text: str, final: bool = False) -> tuple[str, str]:
+        """(reasoning, answer) of the text released with `token_ids`."""
+        parts = {"reasoning": [], "answer": [], "drop": [], "special": []}
+        for token in token_ids:
+            what = self.state.feed(token)
+            kind = "special" if what == "special" else self._kind(what)
+            if kind != self.kind:
+                overflowed = self.kind == "drop" and kind != "special"  # no header after all
+                if overflowed:
+                    self.kind = "answer"
+                    parts["answer"].append(self.held)
+                self.held = ""
+                self._close()
+                self.kind = kind
+            if kind != "special":
+                self.run.append(token)
+        while text and self.closed:
+            kind, left = self.closed[0]
+            parts[kind].append(text[:left])
+            text = text[left:]
+            self.closed[0][1] = left = max(0, left - len(parts[kind][-1]))
+            if left == 0:
+                self.closed.popleft()
+        if text and self.kind == "drop":
+            self.held += text
+            self.taken += len(text)
+        elif text:  # the current run's (past a special token, none yet: kept as answer, never lost)
+            parts["answer" if self.kind == "special" else self.kind].append(text)
+            self.taken += len(text)
+        return "".join(parts["reasoning"]), "".join(parts["answer"])
+
+    def _kind(self, what: str) -> str:
+        if what == "header":
+            return "drop"
+        return "reasoning" if self.state.body in reasoning.THINKING_CHANNELS else "answer"
+
+    def _close(self) -> None:
+        """The current run is complete: what of its text has not come yet is due before the next's."""
+        if self.run:
+            left = len(self.m.decode(self.run)) - self.taken
+            if left > 0:
+                self.closed.append([self.kind, left])
+        self.run, self.taken = [], 0

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
-from shared.reasoning import thinking
+from shared.reasoning import Harmony, HarmonyIds, thinking
 from worker.engine.structured import CODE, PARAM
 from worker.engine.types import EngineRejected
 
@@ -22,6 +23,17 @@ from worker.engine.types import EngineRejected
 class ThinkMarkers:
     start_id: int
     end_id: int
+
+
+@dataclass(frozen=True)
+class HarmonyGate:
+    """harmony's special tokens and a header decoder: each choice's state from its prompt."""
+
+    ids: HarmonyIds
+    decode: Callable[[list[int]], str]
+
+    def state(self, prompt_ids: Tokens[int]) -> Harmony:
+        return Harmony(self.ids, self.decode, prompt_ids)
 
 
 class MatchingMeter:
@@ -66,8 +78,13 @@ class Constraint:
         self.markers = markers
         self.meter = MatchingMeter(max_token_ms)
         # the rule the worker splits reasoning text by (shared/reasoning.py): thinking at the start
-        # when the prompt opened it, until the first end marker (accept), never again
-        self.thinking = markers is not None and thinking(prompt_ids, (), markers.start_id, markers.end_id)
+        # when the prompt opened it, until the first end marker (accept), never again; a harmony
+        # reply until its final channel's body begins
+        self.harmony = markers.state(prompt_ids) if isinstance(markers, HarmonyGate) else None
+        if self.harmony is not None:
+            self.thinking = self.harmony.thinking
+        else:
+            self.thinking = markers is not None and thinking(prompt_ids, (), markers.start_id, markers.end_id)
 
     @property
     def active(self) -> bool:
@@ -80,6 +97,10 @@ class Constraint:
 
     def accept(self, token: int) -> bool:
         """Advance by one emitted token; False when the grammar refuses it."""
+        if self.thinking and self.harmony is not None:
+            self.harmony.feed(token)
+            self.thinking = self.harmony.thinking
+            return True
         if self.thinking:
             self.thinking = token != self.markers.end_id
             return True
@@ -98,7 +119,7 @@ class Constraint:
         self.meter.pending_ns += time.thread_time_ns() - start
 
 
-def think_markers(parser: str | None, tokenizer) -> ThinkMarkers | None:
+def think_markers(parser: str | None, tokenizer) -> ThinkMarkers | HarmonyGate | None:
     """The parser's markers as token ids, resolved once. None (no parser configured) takes the one
     the chat template implies, as the worker does; markers that are not single tokens of this
     vocabulary leave the gate off when implied, and stop the engine when configured."""
@@ -107,6 +128,15 @@ def think_markers(parser: str | None, tokenizer) -> ThinkMarkers | None:
     name = parser or reasoning.detect(getattr(tokenizer, "chat_template", None))
     if name is None:
         return None
+    if name == reasoning.HARMONY:
+        from worker.engine.tokenizer import marker_ids
+
+        ids = marker_ids(tokenizer, reasoning.HARMONY_TOKENS)
+        if ids is None:
+            if parser is None:
+                return None
+            raise ValueError("reasoning_parser 'harmony': its special tokens are not tokens of this model's vocabulary")
+        return HarmonyGate(HarmonyIds(*ids), lambda header: tokenizer.decode(header, skip_special_tokens=True))
     if name not in reasoning.PARSERS:
         raise ValueError(f"unknown reasoning_parser {name!r}: one of {', '.join(reasoning.PARSERS)}")
     from worker.engine.tokenizer import marker_ids
