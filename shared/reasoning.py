@@ -64,7 +64,9 @@ class Harmony:
     def __init__(self, ids: HarmonyIds, decode: Callable[[list[int]], str], prompt_ids: Sequence[int] = ()):
         self.ids, self.decode = ids, decode
         self.body: str | None = None
+        self.recipient: str | None = None  # the body's, from its header's `to=` (a tool call: functions.NAME)
         self.header: list[int] = []  # the current header's tokens after its <|channel|>
+        self.role: list[int] = []  # and the rest of them (the role, a recipient, <|constrain|>'s type)
         self.header_len = 0  # the current header's tokens
         self.in_channel = False
         self.started = False  # a message begun: the prompt ended in one (no <|start|>: plain text, the answer)
@@ -80,11 +82,12 @@ class Harmony:
         """Advance by one token; what it was: "special" (no text of its own), "header" or "body"."""
         ids = self.ids
         if token == ids.message:
-            self.body = self._channel()
-            self.header, self.in_channel, self.header_len = [], False, 0
+            self.body, self.recipient = self._channel(), self._recipient()
+            self.header, self.role, self.in_channel, self.header_len = [], [], False, 0
             return "special"
         if token in (ids.start, ids.end, ids.ret, ids.call):
-            self.body, self.header, self.in_channel, self.started, self.header_len = None, [], False, True, 0
+            self.body, self.recipient, self.header, self.role = None, None, [], []
+            self.in_channel, self.started, self.header_len = False, True, 0
             return "special"
         if token in (ids.channel, ids.constrain):
             self.body = None
@@ -98,8 +101,7 @@ class Harmony:
         if self.header_len > MAX_HEADER:
             self.body = "final"
             return "body"
-        if self.in_channel:
-            self.header.append(token)
+        (self.header if self.in_channel else self.role).append(token)
         return "header"
 
     @property
@@ -110,6 +112,21 @@ class Harmony:
     def _channel(self) -> str:
         words = self.decode(self.header).split()
         return words[0] if words else ""
+
+    def _recipient(self) -> str | None:
+        """`to=` in the header, before the channel (`<|start|>assistant to=functions.f<|channel|>…`)
+        or after its name (`<|channel|>commentary to=functions.f <|constrain|>json`)."""
+        for word in f"{self.decode(self.role)} {self.decode(self.header)}".split():
+            if word.startswith("to="):
+                return word[3:]
+        return None
+
+    @property
+    def calling(self) -> str | None:
+        """The function a tool call's body is the arguments of (`to=functions.NAME`), else None."""
+        if self.body is not None and self.recipient and self.recipient.startswith("functions."):
+            return self.recipient.removeprefix("functions.") or None
+        return None
 
 
 def thinking(prompt_ids: Sequence[int], output_ids: Sequence[int], start_id: int, end_id: int) -> bool:

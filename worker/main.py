@@ -52,6 +52,8 @@ def resolve_parsers(s: WorkerSettings, tokenizer) -> WorkerSettings:
         log.warning("the chat template writes %s, but they are not single tokens here: no reasoning parser",
                     " and ".join(words))
         think = None
+    if think == reasoning.HARMONY and tools is None:  # its calls reach the gateway in Hermes's form (thinking.py)
+        tools = "hermes"
     return s.model_copy(update={"reasoning_parser": think, "tool_call_parser": tools})
 
 

@@ -13,6 +13,7 @@ neither.
 """
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -111,13 +112,20 @@ class HarmonyMarkers:
         return HarmonySplit(self, state)
 
 
+# a harmony tool call, as the Hermes parser reads one; where each part of a reply's text goes
+CALL_START, CALL_END = '<tool_call>{{"name": {}, "arguments": ', "}</tool_call>"
+_PART = {"reasoning": "reasoning", "answer": "answer", "call": "answer", "special": "answer", "drop": "drop"}
+
+
 class HarmonySplit:
     """One choice's harmony reply, its released text routed by what each token was. The text comes
     later than its tokens (the detokenizer holds back half a character or a possible stop string), so
     tokens are kept in runs of one kind (a header's: dropped; a body's: thinking or answer); a run's
     length in characters is known when the next one starts (the decode of its ids: a byte-level
     vocabulary's text is its runs' texts end to end, special tokens none), and the text released
-    goes to the runs in order."""
+    goes to the runs in order. A tool call (a commentary body addressed `to=functions.NAME`) goes
+    to the answer in the Hermes form the gateway's `hermes` tool parser reads — `<tool_call>{"name":
+    NAME, "arguments": ` before the body, `}</tool_call>` after it — so it arrives as `tool_calls`."""
 
     def __init__(self, markers: HarmonyMarkers, state: reasoning.Harmony):
         self.m, self.state = markers, state
@@ -137,29 +145,41 @@ class HarmonySplit:
                 if overflowed:
                     self.kind = "answer"
                     parts["answer"].append(self.held)
-                self.held = ""
+                self.held, was_call = "", self.kind == "call"
                 self._close()
+                if was_call:
+                    self.closed.append(["literal", CALL_END])
+                if kind == "call":
+                    self.closed.append(["literal", CALL_START.format(json.dumps(self.state.calling))])
                 self.kind = kind
             if kind != "special":
                 self.run.append(token)
-        while text and self.closed:
+        while self.closed:
             kind, left = self.closed[0]
-            parts[kind].append(text[:left])
+            if kind == "literal":
+                parts["answer"].append(left)
+                self.closed.popleft()
+                continue
+            if not text:
+                break
+            parts[_PART[kind]].append(text[:left])
             text = text[left:]
-            self.closed[0][1] = left = max(0, left - len(parts[kind][-1]))
+            self.closed[0][1] = left = max(0, left - len(parts[_PART[kind]][-1]))
             if left == 0:
                 self.closed.popleft()
         if text and self.kind == "drop":
             self.held += text
             self.taken += len(text)
         elif text:  # the current run's (past a special token, none yet: kept as answer, never lost)
-            parts["answer" if self.kind == "special" else self.kind].append(text)
+            parts[_PART[self.kind]].append(text)
             self.taken += len(text)
         return "".join(parts["reasoning"]), "".join(parts["answer"])
 
     def _kind(self, what: str) -> str:
         if what == "header":
             return "drop"
+        if self.state.calling:
+            return "call"
         return "reasoning" if self.state.body in reasoning.THINKING_CHANNELS else "answer"
 
     def _close(self) -> None:

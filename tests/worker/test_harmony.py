@@ -123,3 +123,28 @@ def test_a_model_that_writes_no_harmony_is_answered_as_text(tok):
     for token in reply[:opens]:
         assert constraint.accept(token) and not constraint.active
     assert constraint.accept(reply[opens]) and constraint.active
+
+
+@pytest.mark.parametrize("header", [
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>",
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>",  # the recipient first
+])
+@pytest.mark.parametrize("chunk, lag", [(1, 0), (3, 2), (1000, 0)])
+def test_a_tool_call_reaches_the_gateway_as_the_hermes_parser_reads_one(tok, header, chunk, lag):
+    from shared import tool_parsers
+
+    reply = encode(tok, "<|channel|>analysis<|message|>Need the weather.<|end|>" + header
+                   + '{"city": "Oslo", "note": "ü"}<|call|>')
+    thinking, answer = replay(tok, prompt_of(tok), reply, chunk, lag)
+    assert thinking == "Need the weather."
+    assert answer == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "note": "ü"}}</tool_call>'
+    content, calls = tool_parsers.parse("hermes", answer)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo", "note": "ü"}')]
+
+
+def test_the_worker_reads_a_harmony_models_tool_calls_with_the_hermes_parser(tok):
+    from shared.settings import WorkerSettings
+    from worker.main import resolve_parsers
+
+    resolved = resolve_parsers(WorkerSettings(model="m"), tok)
+    assert (resolved.reasoning_parser, resolved.tool_call_parser) == ("harmony", "hermes")
