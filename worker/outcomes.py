@@ -10,7 +10,8 @@ from collections import Counter
 
 REASONS = ("stop", "length", "abort")  # finish reasons whose series exist from the start
 CODES = ("timeout", "engine_error", "request_failed", "context_length_exceeded", "invalid_request",
-         "engine_step_failed", "resume_failed", "request_failed_repeatedly", "unsupported_schema")  # likewise, error codes
+         "engine_step_failed", "resume_failed", "request_failed_repeatedly",
+         "unsupported_schema")  # likewise, error codes
 POISONED = "request_failed_repeatedly"  # the poison cap's code
 
 # when a request was answered with an error (what the registry's fields tell apart)

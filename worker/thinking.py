@@ -136,7 +136,7 @@ class HarmonySplit:
 
     def add(self, token_ids: Sequence[int], text: str, final: bool = False) -> tuple[str, str]:
         """(reasoning, answer) of the text released with `token_ids`."""
-        parts = {"reasoning": [], "answer": [], "drop": [], "special": []}
+        parts = {"reasoning": [], "answer": [], "drop": []}
         for token in token_ids:
             what = self.state.feed(token)
             kind = "special" if what == "special" else self._kind(what)

@@ -278,8 +278,8 @@ def test_chat_fields_sent_to_responses_are_refused_by_name_not_dropped(field, va
 def test_chat_fields_and_server_tools_sent_to_messages_are_refused_by_name(field, value, hint):
     from gateway.messages_schemas import MessagesRequest
 
-    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
-                                           field: value})
+    body = MessagesRequest.model_validate({"model": "m", "max_tokens": 5, field: value,
+                                           "messages": [{"role": "user", "content": "hi"}]})
     err = _refusal(body.refuse_unserved)
     assert err.param == field and err.code == "unsupported_parameter"
     assert hint is None or hint in err.message
@@ -305,4 +305,5 @@ def test_keyword_names_used_as_property_names_or_enum_values_are_not_refused():
     schema = {"type": "object", "properties": {"not": {"type": "string"}, "contains": {"enum": ["if", "then"]}},
               "required": ["not"], "$defs": {"uniqueItems": {"type": "integer"}}}
     assert structured.problem("json", json.dumps(schema)) is None
-    assert structured.problem("schema", json.dumps({"type": "array", "uniqueItems": True})) is None  # a tool's: not enforced anyway
+    tool_parameters = json.dumps({"type": "array", "uniqueItems": True})  # a tool's: not a constraint
+    assert structured.problem("schema", tool_parameters) is None

@@ -21,7 +21,8 @@ REPLY = ("<|channel|>analysis<|message|>The user greets; greet back, ünïcödé
          "<|start|>assistant<|channel|>commentary<|message|>One moment.<|end|>"
          "<|start|>assistant<|channel|>analysis<|message|> Still thinking.<|end|>"
          "<|start|>assistant<|channel|>final<|message|>Hello — how can I help? 你好<|return|>")
-REASONING, ANSWER = "The user greets; greet back, ünïcödé too. Still thinking.", "One moment.Hello — how can I help? 你好"
+REASONING = "The user greets; greet back, ünïcödé too. Still thinking."
+ANSWER = "One moment.Hello — how can I help? 你好"
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,8 @@ def test_a_tool_call_reaches_the_gateway_as_the_hermes_parser_reads_one(tok, hea
     assert thinking == "Need the weather."
     assert answer == '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "note": "ü"}}</tool_call>'
     content, calls = tool_parsers.parse("hermes", answer)
-    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo", "note": "ü"}')]
+    assert content == ""
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Oslo", "note": "ü"}')]
 
 
 def test_the_worker_reads_a_harmony_models_tool_calls_with_the_hermes_parser(tok):

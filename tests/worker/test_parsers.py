@@ -41,7 +41,8 @@ def test_a_named_parser_is_taken_as_given(tokenizer):
 
 
 @pytest.mark.parametrize("names, words", [
-    ({"reasoning_parser": "granite"}, "unknown --reasoning-parser 'granite'; choose one of qwen3, deepseek_r1, harmony"),
+    ({"reasoning_parser": "granite"},
+     "unknown --reasoning-parser 'granite'; choose one of qwen3, deepseek_r1, harmony"),
     ({"tool_call_parser": "mistral"}, "unknown --tool-call-parser 'mistral'; choose one of hermes, llama3"),
 ])
 def test_an_unknown_name_is_refused_with_the_choices(tokenizer, names, words):

@@ -77,8 +77,8 @@ class GrammarMasks:
         xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                         indices=constrained)
         idx = torch.tensor(constrained, device=logits.device)
-        if not bool((logits.index_select(0, idx) > float("-inf")).any(dim=1).all()):
-            open_rows = (logits.index_select(0, idx) > float("-inf")).any(dim=1).tolist()
+        open_rows = (logits.index_select(0, idx) > float("-inf")).any(dim=1).tolist()
+        if not all(open_rows):
             row = rows[constrained[open_rows.index(False)]]
             raise EngineRejected(f"the structured_outputs grammar leaves no token to write after {row.step} tokens "
                                  "of output: it can match nothing from there (an empty character class or range, a "

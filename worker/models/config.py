@@ -11,7 +11,8 @@ each normed across all their heads; OLMo 3's sliding layers on a RoPE of their o
 with OLMo's q/k norms, q/k/v clipped and a mixture of experts; SmolLM3 Llama's with no RoPE in every
 fourth layer (`rope_layers`); Ministral 3 Mistral's with its queries scaled past the original
 context (`query_scaling`); gpt-oss worker/models/gpt_oss.py's (sinks in every attention, experts
-with biases and a clamped SwiGLU; its MXFP4 experts dequantized as they load). One thing caps the context served below the model's
+with biases and a clamped SwiGLU; its MXFP4 experts dequantized as they load). One thing caps the
+context served below the model's
 (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and no further:
 LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose long
 ones, past it, would change every position's rotation at once — which neither a paged cache nor a

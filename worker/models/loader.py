@@ -65,7 +65,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
-            packed = [p for p in model.checkpoint_pieces(name) if p.name not in files and f"{p.name}_blocks" in files]
+            wanted = model.checkpoint_pieces(name)
+            packed = [p for p in wanted if p.name not in files and f"{p.name}_blocks" in files]
             if packed:
                 [piece] = packed  # an expert tensor is one checkpoint tensor (or this rank's slice of it)
                 _dequantize_into(param, handles[files[f"{piece.name}_blocks"]], handles[files[f"{piece.name}_scales"]],
@@ -73,7 +74,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
                 continue
             pieces = [p if p.name in files
                       else _from_fused(p, model.cfg, files) or replace(p, name=_fallback(p.name, files))
-                      for p in model.checkpoint_pieces(name)]
+                      for p in wanted]
             if any(p.name not in files for p in pieces):
                 missing.append(name)
                 continue

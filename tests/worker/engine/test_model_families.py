@@ -504,9 +504,10 @@ def test_olmo_and_smollm3_configs_read_as_transformers_builds_them(tmp_path, bui
         read_model_config(rewritten(smol, tmp_path / "smol3", no_rope_layers=[1, 1, 0]))
 
 
+GPT_OSS_YARN = dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                    original_max_position_embeddings=32, truncate=False)
 GPT_OSS = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=24, head_dim=16, swiglu_alpha=1.5,
-               swiglu_limit=0.5, rope_parameters=dict(rope_type="yarn", rope_theta=10_000.0, factor=4.0, beta_fast=32.0,
-                                                      beta_slow=1.0, original_max_position_embeddings=32, truncate=False))
+               swiglu_limit=0.5, rope_parameters=GPT_OSS_YARN)
 
 
 @pytest.fixture(scope="module")
