@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 HOPPER = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024
 INDEX = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-         "slot_mapping_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32"}
+         "slot_mapping_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "sinks_ptr": "*fp32"}
 DATA = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "key_ptr", "value_ptr")
 
 
@@ -76,9 +76,11 @@ def configs(quick: bool):
         dot = {"DOT_PRECISION": "tf32"}
         yield f"write_kv D={d}", "kv_write", "_write_kv_kernel", shape, {"num_warps": 1}
         for splits in (1, 3):
-            yield (f"decode_merge S={splits} D={d}", "decode_attention", "_decode_merge_kernel",
-                   {"HEAD_DIM": d, "NUM_SPLITS": splits, "BLOCK_S": triton.next_power_of_2(splits),
-                    "BLOCK_D": d}, {"num_warps": 4})
+            for sinks in (False, True):  # gpt-oss's sinks: counted in the merge
+                yield (f"decode_merge S={splits} D={d}{' sinks' if sinks else ''}", "decode_attention",
+                       "_decode_merge_kernel", {"HEAD_DIM": d, "NUM_SPLITS": splits, "HAS_SINKS": sinks,
+                                                "BLOCK_S": triton.next_power_of_2(splits), "BLOCK_D": d},
+                       {"num_warps": 4})
         for g in groups:
             gp = triton.next_power_of_2(g)
             yield (f"decode_partial G={g} D={d}", "decode_attention", "_decode_partial_kernel",
@@ -86,9 +88,11 @@ def configs(quick: bool):
                     "BLOCK_N": 64}, {"num_warps": 4, "num_stages": 2})
             tiles = {extend_block_q(g, q) for q in ((1, 64) if quick else (1, 2, 4, 8, 16, 32, 64))}
             for bq in sorted(tiles):  # every tile height a step can pick (the smallest and largest)
-                yield (f"extend G={g} BQ={bq} D={d}", "extend_attention", "_extend_kernel",
-                       {**shape, **dot, "KV_GROUP": g, "GROUP_PAD": gp, "BLOCK_Q": bq,
-                        "BLOCK_N": 64}, {"num_warps": 4 if bq * gp <= 64 else 8, "num_stages": 2})
+                for sinks in (False, True) if bq == max(tiles) else (False,):  # sinks: the largest tile too
+                    yield (f"extend G={g} BQ={bq} D={d}{' sinks' if sinks else ''}", "extend_attention",
+                           "_extend_kernel", {**shape, **dot, "KV_GROUP": g, "GROUP_PAD": gp, "BLOCK_Q": bq,
+                                              "BLOCK_N": 64, "HAS_SINKS": sinks},
+                           {"num_warps": 4 if bq * gp <= 64 else 8, "num_stages": 2})
 
 
 def main() -> int:
