@@ -82,18 +82,15 @@ class Harmony:
         """Advance by one token; what it was: "special" (no text of its own), "header" or "body"."""
         ids = self.ids
         if token == ids.message:
-            self.body, self.recipient = self._channel(), self._recipient()
+            self._read_header()
             self.header, self.role, self.in_channel, self.header_len = [], [], False, 0
             return "special"
         if token in (ids.start, ids.end, ids.ret, ids.call):
             self.body, self.recipient, self.header, self.role = None, None, [], []
             self.in_channel, self.started, self.header_len = False, True, 0
             return "special"
-        if token in (ids.channel, ids.constrain):
-            self.body = None
-            self.in_channel = self.in_channel or token == ids.channel
-            if token == ids.constrain:
-                self.in_channel = False
+        if token in (ids.channel, ids.constrain):  # the channel's name follows one; a type the other
+            self.body, self.in_channel = None, token == ids.channel
             return "special"
         if self.body is not None or not self.started:
             return "body"
@@ -109,17 +106,14 @@ class Harmony:
         """Not (yet) in the answer: in a header, or in a body other than the final channel's."""
         return self.started and self.body != "final"
 
-    def _channel(self) -> str:
-        words = self.decode(self.header).split()
-        return words[0] if words else ""
-
-    def _recipient(self) -> str | None:
-        """`to=` in the header, before the channel (`<|start|>assistant to=functions.f<|channel|>…`)
-        or after its name (`<|channel|>commentary to=functions.f <|constrain|>json`)."""
-        for word in f"{self.decode(self.role)} {self.decode(self.header)}".split():
-            if word.startswith("to="):
-                return word[3:]
-        return None
+    def _read_header(self) -> None:
+        """The body's channel (the first word after `<|channel|>`) and recipient (`to=` in the header,
+        before the channel, `<|start|>assistant to=functions.f<|channel|>…`, or after its name,
+        `<|channel|>commentary to=functions.f <|constrain|>json`), each header part decoded once."""
+        channel = self.decode(self.header).split()
+        self.body = channel[0] if channel else ""
+        words = self.decode(self.role).split() + channel
+        self.recipient = next((w[3:] for w in words if w.startswith("to=")), None)
 
     @property
     def calling(self) -> str | None:
