@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 from gateway import bounds as b
 from gateway.bounded import encodable
@@ -75,7 +75,7 @@ class StructuredOutputsIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     json_: Union[Schema, SchemaText, None] = Field(None, alias="json")
-    json_object: bool = False
+    json_object: StrictBool = False
     regex: Regex | None = None
     choice: Choices | None = None
     grammar: Ebnf | None = None
@@ -86,7 +86,7 @@ class JsonSchemaSpec(BaseModel):
 
     name: FunctionName
     schema_: Schema | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
     description: Description | None = None
 
 
@@ -101,7 +101,7 @@ class FunctionDef(BaseModel):
     name: FunctionName
     description: Description | None = None
     parameters: Schema | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class Tool(BaseModel):

@@ -9,7 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shared.errors import KvgateError, Overloaded, Unprocessable
+from shared.errors import KvgateError, Overloaded, Unprocessable, UnsupportedMediaType
 from shared.redis_errors import REDIS_ERRORS, refusal
 
 log = logging.getLogger("kvgate.gateway")
@@ -36,13 +36,50 @@ class _Refused(KvgateError):
 _UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none"}
 
 
+def _is_tag(part) -> bool:
+    """pydantic's name for a union's branch (`list[...]`, `constrained-str`), not a field's."""
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS or part.startswith("constrained-"))
+
+
+def _path(loc: tuple) -> tuple:
+    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
+        loc = loc[1:]
+    return tuple(str(p) for p in loc if not _is_tag(p))
+
+
 def _param(loc: tuple) -> str | None:
     """`messages.0.content.0.text`: the body's path (or the query parameter's name), without
     where FastAPI found it and without pydantic's union-branch tags."""
-    if loc and loc[0] in ("body", "query", "path", "header", "cookie"):
-        loc = loc[1:]
-    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))]
-    return ".".join(parts) or None
+    return ".".join(_path(loc)) or None
+
+
+def _most_telling(errors: list[dict]) -> dict:
+    """Of a union's errors (one per branch), the one about what the client meant: the deepest,
+    and of equally deep ones a broken bound (`too_long`) before a branch's type that did not match
+    (`input` with 10,001 items is too long a list, not "a valid string")."""
+    def rank(e: dict) -> tuple[int, bool]:
+        return len(_path(tuple(e.get("loc", ())))), not str(e.get("type", "")).endswith("_type")
+    return max(errors, key=rank, default={"loc": (), "msg": "invalid request"})
+
+
+def is_json_media(content_type: str | None) -> bool:
+    kind = (content_type or "").split(";", 1)[0].strip().lower()
+    return kind == "application/json" or kind.endswith("+json")
+
+
+def _whole_body(error: dict, request: Request) -> KvgateError | None:
+    """A refusal of the body as a whole, in words about the body rather than pydantic's."""
+    if tuple(error.get("loc", ())) != ("body",):
+        return None
+    if error.get("type") == "missing":
+        return Unprocessable("the request body is empty: send a JSON object")
+    if error.get("type") not in ("model_attributes_type", "model_type", "dict_type"):
+        return None
+    media = request.headers.get("content-type")
+    if not is_json_media(media):
+        sent = f"it was {media!r}" if media else "none was sent"
+        return UnsupportedMediaType(f"the request body must be JSON: send Content-Type: application/json ({sent})")
+    return Unprocessable("the request body must be a JSON object")
 
 
 async def _on_kvgate(_: Request, exc: KvgateError) -> JSONResponse:
@@ -54,12 +91,13 @@ def invalid_json_body(detail: str | None = None) -> JSONResponse:
     return error_response(Unprocessable(message))
 
 
-async def _on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+async def _on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
         return invalid_json_body((errors[0].get("ctx") or {}).get("error"))
-    # a union reports every branch; the deepest error is the one about what the client meant
-    first = max(errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"})
+    first = _most_telling(errors)
+    if (refused := _whole_body(first, request)) is not None:
+        return error_response(refused)
     param = _param(tuple(first.get("loc", ())))
     msg = str(first.get("msg")).removeprefix("Value error, ")
     message = f"{param}: {msg}" if param else msg

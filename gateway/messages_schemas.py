@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StringConstraints,
+                      Tag)
 
 from gateway import bounds as b
 from gateway.agent_schemas import CallId, Description, FunctionName, Schema
@@ -53,7 +54,7 @@ class ToolResultBlock(BaseModel):
     type: Literal["tool_result"]
     tool_use_id: CallId
     content: Union[str, Annotated[list[TextBlock], Field(fail_fast=True)]] = ""
-    is_error: bool = False
+    is_error: StrictBool = False
 
     def text(self) -> str:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -97,7 +98,7 @@ class Tool(BaseModel):
 class ToolChoice(BaseModel):
     type: Literal["auto", "any", "tool", "none"]
     name: FunctionName | None = None
-    disable_parallel_tool_use: bool = False
+    disable_parallel_tool_use: StrictBool = False
 
 
 class Thinking(BaseModel):
@@ -147,7 +148,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0, le=b.TOP_K)
     output_config: OutputConfig | None = None
-    stream: bool = False
+    stream: StrictBool = False
 
     def refuse_unserved(self) -> None:
         """400 naming what kvgate does not do here, rather than ignore it."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StringConstraints, Tag
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Discriminator, Field, StrictBool, StringConstraints,
+                      Tag)
 from typing_extensions import TypedDict
 
 from gateway import bounds as b
@@ -85,7 +86,7 @@ class FunctionTool(BaseModel):
     name: FunctionName | None = None
     description: Description | None = None
     parameters: Schema | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class FunctionChoice(BaseModel):
@@ -97,7 +98,7 @@ class TextFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
     name: FunctionName | None = None
     schema_: Schema | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
     description: Description | None = None
 
 
@@ -122,7 +123,7 @@ class ResponsesRequest(BaseModel):
     instructions: Text | None = None
     tools: list[FunctionTool] | None = Field(None, max_length=b.TOOLS, fail_fast=True)
     tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, None] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     text: TextConfig | None = None
     reasoning: Reasoning | None = None
     max_output_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
@@ -130,10 +131,10 @@ class ResponsesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, le=b.TOP_K)  # vLLM's extras, as on chat
     seed: int | None = Field(None, ge=0, le=b.INT64_MAX)
-    stream: bool = False
-    store: bool = True  # as OpenAI documents
+    stream: StrictBool = False
+    store: StrictBool = True  # as OpenAI documents
     previous_response_id: Annotated[str, StringConstraints(max_length=128)] | None = None
-    background: bool | None = None
+    background: StrictBool | None = None
     metadata: Metadata | None = None
     user: str | None = Field(None, max_length=b.USER_CHARS)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StringConstraints, ValidationInfo, field_validator,
                       model_validator)
 from typing_extensions import TypedDict
 
@@ -19,14 +19,15 @@ from shared import protocol
 from shared.errors import InvalidRequest
 from shared.sampling import MODEL_DEFAULTS
 
-TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX, strict=True)]  # not `true` nor `1.0`
 Bias = Annotated[float, Field(ge=-b.LOGIT_BIAS_VALUE, le=b.LOGIT_BIAS_VALUE)]
-LogitBias = mapping(TokenId, Bias, b.LOGIT_BIAS)  # its keys are "id" strings in JSON
+# its keys are "id" strings in JSON
+LogitBias = mapping(Annotated[int, Field(ge=0, le=b.TOKEN_ID_MAX)], Bias, b.LOGIT_BIAS)
 StopString = Annotated[str, StringConstraints(min_length=1, max_length=b.STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _Sampling(BaseModel):
@@ -42,7 +43,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(0, ge=-1, le=b.TOP_K)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=b.N)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: Union[StopString, Annotated[list[StopString], Field(fail_fast=True)], None] = Field(
         None, validate_default=True)
@@ -51,9 +52,9 @@ class _Sampling(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, ge=b.REPETITION_PENALTY_MIN, le=10.0)
     min_tokens: int = Field(0, ge=0, le=b.MAX_TOKENS)
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=b.STOP_TOKEN_IDS, fail_fast=True)
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: StrictBool = False
     logit_bias: LogitBias | None = None
     structured_outputs: StructuredOutputsIn | None = None  # vLLM's spelling of a constraint
     response_format: ResponseFormat | None = None  # OpenAI's
@@ -146,11 +147,11 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1, max_length=b.MESSAGES, fail_fast=True,
                                         examples=[[{"role": "user", "content": "Hello"}]])
     max_completion_tokens: int | None = Field(None, ge=1, le=b.MAX_TOKENS)
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
     tools: list[Tool] | None = Field(None, max_length=b.TOOLS, fail_fast=True)
     tool_choice: ToolChoice | None = None  # none: `auto` with tools, `none` without
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     chat_template_kwargs: TemplateKwargs | None = None
     # thinking is the chat template's switch (Qwen3's enable_thinking; gpt-oss reads the effort
     # itself): "none" turns it off, any other effort on — as the Responses API's reasoning.effort
@@ -189,7 +190,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, Annotated[list[TokenId], Field(max_length=b.PROMPT_TOKEN_IDS, fail_fast=True)],
                    Annotated[list[str], Field(fail_fast=True)]]
     logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
-    echo: bool = False  # the prompt comes back before each choice's text (and its logprobs, with logprobs)
+    echo: StrictBool = False  # the prompt comes back before each choice's text (and its logprobs, with logprobs)
     # vLLM's: each prompt token's logprob and rank plus the top-k, in each choice's `prompt_logprobs`
     prompt_logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
     # kvgate's (SGLang's logprob_start_len): positions before it are not scored, and may be read

@@ -14,17 +14,34 @@ import orjson
 from fastapi import Request
 from fastapi.routing import APIRoute
 
-from gateway.errors import invalid_json_body
+from gateway.errors import error_response, invalid_json_body, is_json_media
+from shared.errors import UnsupportedMediaType
 
 PARSED = "kvgate.json"  # the scope's key for the parsed body
 
 
-def _is_json(scope) -> bool:
+def _header(scope, wanted: bytes) -> str | None:
     for name, value in scope.get("headers", ()):
-        if name == b"content-type":
-            kind = value.split(b";", 1)[0].strip().lower()
-            return kind == b"application/json" or kind.endswith(b"+json")
-    return False
+        if name == wanted:
+            return value.decode("latin-1")
+    return None
+
+
+def _encoded(scope) -> UnsupportedMediaType | None:
+    """A compressed body is refused by name (no route reads one), not misread as broken JSON."""
+    coding = _header(scope, b"content-encoding")
+    if coding is None or coding.strip().lower() in ("", "identity"):
+        return None
+    return UnsupportedMediaType(f"Content-Encoding {coding.strip()!r} is not supported: send the body uncompressed")
+
+
+def _not_json(body: bytes, exc: orjson.JSONDecodeError) -> str:
+    """orjson says "surrogates not allowed" of any bytes that are not UTF-8; say where they are."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as bad:
+        return f"it is not UTF-8 (byte 0x{body[bad.start]:02x} at offset {bad.start})"
+    return str(exc)
 
 
 class StrictJSONMiddleware:
@@ -32,7 +49,11 @@ class StrictJSONMiddleware:
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD") or not _is_json(scope):
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        if (refused := _encoded(scope)) is not None:
+            return await error_response(refused)(scope, receive, send)
+        if not is_json_media(_header(scope, b"content-type")):
             return await self.app(scope, receive, send)
         chunks, more = [], True
         while more:  # the body limit (outside this middleware) has bounded it already
@@ -46,7 +67,7 @@ class StrictJSONMiddleware:
             try:
                 scope[PARSED] = orjson.loads(body)
             except orjson.JSONDecodeError as exc:
-                return await invalid_json_body(str(exc))(scope, receive, send)
+                return await invalid_json_body(_not_json(body, exc))(scope, receive, send)
         replayed = False
 
         async def replay():

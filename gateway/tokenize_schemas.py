@@ -4,7 +4,7 @@ vLLM field kvgate does not honour (a custom `chat_template`, media kwargs) must 
 silence."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 from gateway import bounds as b
 from gateway.agent_schemas import TemplateKwargs, Tool
@@ -21,12 +21,12 @@ class TokenizeRequest(BaseModel):
     model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
     prompt: str | None = Field(None, examples=["Hello"])
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=b.MESSAGES, fail_fast=True)
-    add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens "
+    add_special_tokens: StrictBool | None = Field(None, description="Add the tokenizer's special tokens "
                                             "(e.g. BOS); default true for a prompt, false for a chat "
                                             "(its template places them)")
-    return_token_strs: bool = Field(False, description="Also return each token as the tokenizer spells it")
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    return_token_strs: StrictBool = Field(False, description="Also return each token as the tokenizer spells it")
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     tools: list[Tool] | None = Field(None, max_length=b.TOOLS, fail_fast=True)
     chat_template_kwargs: TemplateKwargs | None = None
 

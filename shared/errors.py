@@ -69,6 +69,12 @@ class Unprocessable(KvgateError):
     status, type, code = 422, "invalid_request_error", "invalid_value"
 
 
+class UnsupportedMediaType(KvgateError):
+    """A body the gateway cannot read as sent: not JSON where JSON is asked for, or compressed."""
+
+    status, type, code = 415, "invalid_request_error", "unsupported_media_type"
+
+
 class RateLimited(KvgateError):
     status, type, code = 429, "rate_limit_error", "rate_limit_exceeded"
 

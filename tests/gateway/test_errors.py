@@ -25,14 +25,25 @@ def test_an_error_carries_its_headers_and_retry_after():
     assert resp.headers["x-kvgate-version"] == "v2"
 
 
-@pytest.fixture
-async def client(redis_server):
-    app = create_app(GatewaySettings(secret="s", max_body_bytes=1024, redis_url=redis_server.url,
+async def _client(redis_server, max_body_bytes: int):
+    app = create_app(GatewaySettings(secret="s", max_body_bytes=max_body_bytes, redis_url=redis_server.url,
                                      api_key="sk-boot"))
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                      base_url="http://gw") as c:
             yield c
+
+
+@pytest.fixture
+async def client(redis_server):
+    async for c in _client(redis_server, 1024):
+        yield c
+
+
+@pytest.fixture
+async def roomy(redis_server):
+    async for c in _client(redis_server, 1 << 20):
+        yield c
 
 
 @pytest.mark.parametrize("method, path, body, key, status, kind, code", [
@@ -82,3 +93,51 @@ async def test_a_refusal_before_the_body_is_counted_under_its_routes_template(cl
     await client.post("/made/up/path")
     assert counted("/v1/batches/{batch_id}/cancel") == before[0] + 2
     assert counted("unmatched") == before[1] + 1
+
+
+_CHAT = b'{"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}'
+
+
+@pytest.mark.parametrize("content_type, encoding, body, status, says", [
+    ("text/plain", None, _CHAT, 415, "send Content-Type: application/json (it was 'text/plain')"),
+    ("application/x-www-form-urlencoded", None, _CHAT, 415, "must be JSON"),
+    (None, None, _CHAT, 415, "(none was sent)"),  # what `curl -d` without -H sends is a form; none at all here
+    ("application/json", None, b"", 422, "the request body is empty"),
+    ("application/json", None, b"[1, 2]", 422, "the request body must be a JSON object"),
+    ("application/json", None, b"null", 422, "the request body must be a JSON object"),
+    ("application/json", "gzip", b"\x1f\x8b\x08\x00", 415, "Content-Encoding 'gzip' is not supported"),
+    ("application/json", None, b'{"model": "d\xffemo"}', 422, "not UTF-8 (byte 0xff at offset 12)"),
+    ("application/json", None, b'{"model": "\\ud800"}', 422, "no low surrogate"),  # UTF-8, a bad escape
+])
+async def test_a_body_that_cannot_be_read_says_why(client, content_type, encoding, body, status, says):
+    headers = {"authorization": "Bearer sk-boot"}
+    if content_type:
+        headers["content-type"] = content_type
+    if encoding:
+        headers["content-encoding"] = encoding
+    resp = await client.post("/v1/chat/completions", content=body, headers=headers)
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert says in error["message"] and "surrogates not allowed" not in error["message"]
+    assert "dictionary" not in error["message"]
+
+
+@pytest.mark.parametrize("path, fields, param, says", [
+    # pydantic's names for a union's branches (`constrained-str`, `list[...]`) are not the body's
+    ("/v1/chat/completions", {"stop": ""}, "stop", "at least 1 character"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "hi"}] * 10_001}, "input", "at most 10000 items"),
+    # a flag is a JSON boolean and a token id a JSON integer: "yes", 1.0 and true are none
+    ("/v1/chat/completions", {"logprobs": "yes"}, "logprobs", "valid boolean"),
+    ("/v1/responses", {"input": "hi", "store": "yes"}, "store", "valid boolean"),
+    ("/v1/completions", {"prompt": [True, False]}, "prompt.0", "valid integer"),
+    ("/v1/completions", {"prompt": [1.0, 2.0]}, "prompt.0", "valid integer"),
+    ("/v1/chat/completions", {"stop_token_ids": [True]}, "stop_token_ids.0", "valid integer"),
+])
+async def test_a_refused_field_is_named_as_the_body_spells_it(roomy, path, fields, param, says):
+    body = {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    if path != "/v1/chat/completions":
+        body = {"model": "demo", "prompt": "hi"} if path == "/v1/completions" else {"model": "demo"}
+    resp = await roomy.post(path, json={**body, **fields}, headers={"authorization": "Bearer sk-boot"})
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == param and says in error["message"], error
