@@ -41,15 +41,21 @@ class Renderer(Protocol):
     def spec(self) -> dict[str, Any]: ...  # what rebuilds it at another gateway (JSON)
 
 
-def chat_request(chat: dict[str, Any]) -> ChatCompletionRequest:
+def chat_request(chat: dict[str, Any], fields: dict[str, str] | None = None) -> ChatCompletionRequest:
     """The chat request another API's body translates to; 400 naming what chat's bounds refuse of
-    it (a conversation longer than chat allows, say), never a 500."""
+    it (a conversation longer than chat allows, say), never a 500. The error names the caller's
+    field (`fields` maps chat's names to the API's: `messages` is `/v1/responses`' `input`), and
+    where in the chat request it was found."""
     try:
         return ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise InvalidRequest(f"{where}: {first.get('msg')}", param=where or None) from None
+        loc = [str(p) for p in first.get("loc", ())]
+        if not loc:
+            raise InvalidRequest(str(first.get("msg"))) from None
+        field = (fields or {}).get(loc[0], loc[0])
+        where = "" if loc == [field] else f" (at {'.'.join(loc)} of the chat request it becomes)"
+        raise InvalidRequest(f"{field}: {first.get('msg')}{where}", param=field) from None
 
 
 def usage_of(done: protocol.Done) -> dict:

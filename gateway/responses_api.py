@@ -45,7 +45,7 @@ async def create_response(body: ResponsesRequest, request: Request, lease: Admit
     if body.store:
         await _check_room(store, lease, state.settings.max_stored_response_bytes_per_key)
     conversation = body.conversation(earlier)
-    call = Call.chat(answer_io.chat_request(body.chat(conversation)))
+    call = Call.chat(answer_io.chat_request(body.chat(conversation), CHAT_FIELDS))
     answer = await open_answer(request, state, lease, call)
     render = ResponseRender(body, "resp_" + answer.handle.request_id.removeprefix("chatcmpl-"),
                             Items(answer.shape.output(0)), None)
@@ -76,6 +76,7 @@ async def _resumed(state: GatewayState, lease: Lease, answer: Answer, spec: dict
 
 API = "responses"
 resume.RENDERS[API] = _resumed
+CHAT_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens"}  # chat's names for this API's fields
 
 
 @router.get("/responses/{response_id}")

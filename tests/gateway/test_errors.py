@@ -141,3 +141,18 @@ async def test_a_refused_field_is_named_as_the_body_spells_it(roomy, path, field
     assert resp.status_code == 422, resp.text
     error = resp.json()["error"]
     assert error["param"] == param and says in error["message"], error
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"input": []}, "input: List should have at least 1 item"),
+    ({"input": [{"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"} for i in range(129)]},
+     "input: List should have at most 128 items"),
+])
+async def test_responses_name_their_own_fields_for_what_chat_refuses(roomy, fields, says):
+    """/v1/responses becomes a chat request; what chat's bounds refuse of it names `input`."""
+    resp = await roomy.post("/v1/responses", json={"model": "demo", **fields},
+                            headers={"authorization": "Bearer sk-boot"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "input" and error["message"].startswith(says), error
+    assert "of the chat request it becomes" in error["message"]
