@@ -15,6 +15,7 @@ import time
 
 from fastapi import APIRouter, Depends
 
+from gateway import structured
 from gateway.admission import Admitted, Lease, admit
 from gateway.deps import StateDep
 from gateway.openai_api import json_body
@@ -35,6 +36,9 @@ NOTHING_CHARGED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, lease: Admitted, state: StateDep):
     """A prompt's ids, or a chat's as its template renders them (tools and template kwargs included)."""
+    if body.tools:  # the tools' schemas are read as chat reads them: tokenizing says what chat would refuse
+        check_model_allowed(lease.key, body.model)
+        await state.checker.check(structured.checks(None, body.tools), lease.key.id)
     reply, facts, headers = await _ask(state, lease, body.model, "tokenize", body.entry_fields())
     # a 1 MiB prompt is ~10^6 ids (and as many strings): written by orjson from the reply as it
     # came, not built into a model and encoded by the stdlib (~0.2 s of the event loop each)

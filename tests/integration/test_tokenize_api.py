@@ -84,6 +84,13 @@ def test_bad_template_options_and_unknown_fields_are_refused_by_name(cluster):
     assert both.status_code == 422 and "continue_final_message" in both.json()["error"]["message"]
     custom = _post(cluster, "/tokenize", {"model": "demo", "prompt": "x", "chat_template": "{{ x }}"})
     assert custom.status_code == 422 and "chat_template" in custom.json()["error"]["message"]
+    # a tool's schema chat would refuse is refused here too, by the same words
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "zzz"}}}]
+    schema = _post(cluster, "/tokenize", {"model": "demo", "messages": CHAT, "tools": tools})
+    chat = _post(cluster, "/v1/chat/completions", {"model": "demo", "messages": CHAT, "tools": tools, "max_tokens": 1})
+    assert schema.status_code == chat.status_code == 400, schema.text
+    assert schema.json()["error"] == chat.json()["error"]
+    assert schema.json()["error"]["param"] == "tools.0.function.parameters"
 
 
 def test_governance_401_403_and_the_request_counted_with_no_tokens(cluster):
