@@ -135,6 +135,8 @@ async def _events(answer: Answer, replies: Lookahead, lease: Lease, render: Rend
                     continue
                 if events and reply.seq > after:
                     yield _tagged(events, rid, reply.seq)
+                if isinstance(reply, protocol.Done) and (past := resume.past_the_end(after, reply.seq)):
+                    yield _tagged(render.error(past), rid, reply.seq)
         except KvgateError as exc:
             lease.failed(exc.status)
             yield _tagged(render.error(exc), rid, answer.handle.last_seq)

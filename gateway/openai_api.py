@@ -689,6 +689,8 @@ async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usa
                     lease.finished(_usage(reply))
                     if include_usage and new:
                         yield _event(shape.chunk([], usage=lease.usage), resume.event_id(rid, reply.seq))
+                    if (past := resume.past_the_end(after, reply.seq)) is not None:
+                        yield _event(past.to_openai(), resume.event_id(rid, reply.seq))
         except KvgateError as exc:
             lease.failed(exc.status)
             yield _event(exc.to_openai(), resume.event_id(rid, answer.handle.last_seq))

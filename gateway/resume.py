@@ -44,6 +44,15 @@ def point(value: str | None) -> tuple[str, int] | None:
     return request_id, int(seq)
 
 
+def past_the_end(after: int, last: int) -> InvalidRequest | None:
+    """A Last-Event-ID after the stream's last event (`last`) names events it never sent: said as
+    the stream's end, not answered with an end that looks like a clean one."""
+    if after <= last:
+        return None
+    return InvalidRequest(f"Last-Event-ID names event {min(after, 10**18)}, past this stream's last event ({last})",
+                          param="Last-Event-ID", code="invalid_last_event_id")
+
+
 def shape_spec(kind: str, model: str, n: int, created: int, include_usage: bool,
                tools: list[Tool] | None = None, choice: Any = None, parallel: bool = True,
                parser: str | None = None, echo: dict | None = None) -> dict:

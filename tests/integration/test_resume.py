@@ -333,13 +333,17 @@ def test_a_finished_stream_longer_than_a_page_of_its_log_replays_whole_and_in_or
             rid = whole.last_id.rpartition(":")[0]
             lines = cluster.client.llen(names.checkpoint_key(rid))
             await read_sse(client, "GET", f"{url2}/v1/streams/{rid}", key, again, last_id=f"{rid}:0")
-            return whole, again, lines
+            past = Seen()  # events it never sent: said so at its end, not a clean-looking [DONE]
+            await read_sse(client, "POST", url2 + "/v1/completions", key, past, body, last_id=f"{rid}:{10**23}")
+            return whole, again, lines, past
 
-    whole, again, lines = asyncio.run(scenario())
+    whole, again, lines, past = asyncio.run(scenario())
     assert lines > 2 * LOG_PAGE, lines
     assert whole.done and again.done and again.error is None
     assert again.events == whole.events
     _ids_in_order(again)
+    assert len(past.events) == 1 and past.error["code"] == "invalid_last_event_id", past.events
+    assert "past this stream's last event" in past.error["message"]
 
 
 def test_a_stream_resumed_past_its_limit_a_minute_is_a_429_and_other_streams_are_not(two_gateways):
