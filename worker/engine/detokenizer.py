@@ -6,6 +6,8 @@ stop string. Decoding a small window (prefix offset .. end) instead of the whole
 each step cheap and lets tokenizers that add spaces by context decode the new tokens correctly.
 Invariant: released text never ends in a proper prefix of a stop string, so any stop match lies
 wholly inside the pending (unreleased) text.
+min_tokens, as vLLM v1: a stop string counts only where its match ends past the text of the first
+min_tokens tokens (it may begin inside it); a match wholly inside that text is ignored.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ _PROMPT_CONTEXT = 5  # prompt tokens decoded with the first output token, as vLL
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop_str_in_output: bool
+        self, tokenizer, prompt_ids: list[int], stop: list[str], include_stop_str_in_output: bool,
+        min_tokens: int = 0,
     ):
         self.tokenizer = tokenizer
         self._decode_ids = window_decoder(tokenizer)
@@ -29,14 +32,25 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.pending = ""  # decoded, complete text held back because it may begin a stop string
         self.stopped = False
+        self._num_prompt = len(self.ids)
+        self.min_tokens = min_tokens
+        self._early = 0  # the length of `pending` that is the first min_tokens tokens' text: no stop ends there
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated tokens; return the text that became final."""
         if self.stopped:
             return ""
+        early = max(0, min(len(token_ids), self.min_tokens - (len(self.ids) - self._num_prompt)))
+        if early:  # decoded apart from the rest: where their text ends, stops may begin to end
+            self._extend(token_ids[:early])
+            self._early = len(self.pending)
+        if len(token_ids) > early:
+            self._extend(token_ids[early:])
+        return self._release(final=False)
+
+    def _extend(self, token_ids: list[int]) -> None:
         self.ids.extend(token_ids)
         self.pending += self._decode_new(final=False)
-        return self._release(final=False)
 
     def flush(self) -> str:
         """The sequence ended for another reason: release everything still held."""
@@ -67,13 +81,15 @@ class IncrementalDetokenizer:
         else:
             cut = len(self.pending) - (0 if final else self._possible_stop_prefix_len())
             out, self.pending = self.pending[:cut], self.pending[cut:]
+            self._early = max(0, self._early - cut)
         return out
 
     def _first_stop(self) -> tuple[int, int] | None:
-        """(start, end) of the stop string that completes earliest in the pending text."""
+        """(start, end) of the stop string that completes earliest in the pending text, past the
+        first min_tokens tokens' text."""
         best = None
         for s in self.stop:
-            i = self.pending.find(s)
+            i = self.pending.find(s, max(0, self._early - len(s) + 1))
             if i >= 0 and (best is None or i + len(s) < best[1]):
                 best = (i, i + len(s))
         return best

@@ -78,7 +78,7 @@ class LLMEngine(ModelFacts):
                 if i not in resume.finished]
         for seq in seqs:
             seq.detokenizer = IncrementalDetokenizer(
-                self._tokenizer, seq.prompt_ids, params.stop, params.include_stop_str_in_output)
+                self._tokenizer, seq.prompt_ids, params.stop, params.include_stop_str_in_output, params.min_tokens)
             for token in resume.output_ids.get(seq.index, []):  # one at a time, as first released
                 seq.append_token(token)
                 seq.detokenizer.add([token])

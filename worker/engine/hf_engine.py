@@ -114,7 +114,7 @@ class HFEngine(ModelFacts):
         choice.cache = DynamicCache(config=self.model.config)
         params = choice.params
         choice.detokenizer = IncrementalDetokenizer(
-            self._tokenizer, choice.prompt_ids, params.stop, params.include_stop_str_in_output
+            self._tokenizer, choice.prompt_ids, params.stop, params.include_stop_str_in_output, params.min_tokens
         )
         for token in choice.output_ids:  # a resumed choice: replay as first released
             choice.detokenizer.add([token])

@@ -1,7 +1,7 @@
 """Turns one step's logits into one token per row, vectorised over the batch.
 
-Order per row: penalties -> logit_bias -> min_tokens mask -> grammar mask -> greedy argmax, or temperature -> top-k -> top-p
--> min-p -> a draw. Top-k and top-p work on a shortlist of the row's best tokens (shortlist.py), never
+Order per row: penalties -> logit_bias -> grammar mask -> min_tokens mask -> greedy argmax, or temperature -> top-k
+-> top-p -> min-p -> a draw. Top-k and top-p work on a shortlist of the row's best tokens (shortlist.py), never
 a sort of the whole vocabulary. Logprobs come from the raw logits, as vLLM's default.
 Seeded rows draw token i by an exponential race with noise from a generator keyed by
 (seed, choice_index, i), so a request's tokens do not depend on its batch-mates, on preemption, or on
@@ -57,8 +57,8 @@ class Sampler:
         raw_logprobs = self._raw_logprobs(logits, rows)
         logits = apply_penalties(logits, rows)
         logits = apply_logit_bias(logits, rows)
+        logits = self._grammar_masks(logits, rows)  # first: a dead end is the grammar's alone
         logits = self._mask_early_stops(logits, rows)
-        logits = self._grammar_masks(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [r for r, row in enumerate(rows) if row.params.greedy]
         sampled = [r for r, row in enumerate(rows) if not row.params.greedy]
@@ -104,21 +104,33 @@ class Sampler:
         return torch.log_softmax(logits, dim=-1)
 
     def _mask_early_stops(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Below min_tokens a row may not pick a token that would end it, but for a row its grammar
-        holds: the grammar says where the output may end (a structure complete before min_tokens
-        would otherwise leave it no token at all)."""
-        r_idx, t_idx = [], []
+        """Below min_tokens a row may not pick a token that would end it (a stop id; EOS unless
+        ignored). A row its grammar holds keeps them where the grammar allows nothing else: a structure
+        complete before min_tokens ends there (its EOS), and a stop id the grammar requires is written
+        as text (check_finish), rather than the row be left no token at all."""
+        r_idx, t_idx, held = [], [], []
         for r, row in enumerate(rows):
-            if row.step >= row.params.min_tokens or (row.constraint is not None and row.constraint.active):
+            if row.step >= row.params.min_tokens:
                 continue
             banned = list(row.params.stop_token_ids)
             if not row.params.ignore_eos:
                 banned += self.eos_token_ids
             r_idx += [r] * len(banned)
             t_idx += banned
-        if r_idx:
-            dev = logits.device
-            logits[torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)] = float("-inf")
+            if banned and row.constraint is not None and row.constraint.active:
+                held.append(r)
+        if not r_idx:
+            return logits
+        dev = logits.device
+        rs, ts = torch.tensor(r_idx, device=dev), torch.tensor(t_idx, device=dev)
+        before = logits[rs, ts] if held else None  # a copy: the banned logits, to give back
+        logits[rs, ts] = float("-inf")
+        if held:
+            held_rows = torch.tensor(held, device=dev)
+            closed = held_rows[~(logits.index_select(0, held_rows) > float("-inf")).any(dim=1)]
+            if closed.numel():
+                back = torch.isin(rs, closed)
+                logits[rs[back], ts[back]] = before[back]
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -9,11 +9,14 @@ from worker.engine.types import SamplingParams
 def check_finish(
     token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_ids: Container[int]
 ) -> str | None:
-    """"stop", "length" or None; `num_output_tokens` counts `token_id` itself."""
-    if token_id in params.stop_token_ids:
-        return "stop"
-    if not params.ignore_eos and token_id in eos_token_ids and num_output_tokens >= params.min_tokens:
-        return "stop"
+    """"stop", "length" or None; `num_output_tokens` counts `token_id` itself. None of the first
+    min_tokens tokens stops the choice: the sampler holds stop ids and EOS back from them, and one it
+    lets through because the grammar allows nothing else (sampler.py) is text, unless it ends the grammar."""
+    if num_output_tokens > params.min_tokens:
+        if token_id in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token_id in eos_token_ids:
+            return "stop"
     if num_output_tokens >= params.max_tokens:
         return "length"
     return None

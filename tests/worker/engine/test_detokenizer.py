@@ -19,9 +19,9 @@ def ids_of(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def feed(tok, ids, stop=(), include=False, prompt=()):
+def feed(tok, ids, stop=(), include=False, prompt=(), min_tokens=0):
     """Add one token at a time; return (detokenizer, deltas)."""
-    d = IncrementalDetokenizer(tok, list(prompt), list(stop), include)
+    d = IncrementalDetokenizer(tok, list(prompt), list(stop), include, min_tokens)
     return d, [d.add([t]) for t in ids]
 
 
@@ -72,6 +72,26 @@ def test_nothing_after_the_stop_is_released_even_within_one_token(tok):
 def test_the_stop_that_completes_first_wins(tok):
     d, deltas = feed(tok, ids_of(tok, "one two three four"), stop=["three four", "two"])
     assert "".join(deltas) == "one "
+
+
+def test_a_stop_inside_the_first_min_tokens_tokens_text_is_ignored(tok):
+    """vLLM's rule: stop strings are checked only past min_tokens ("the", " cache" both hold an "e");
+    added one at a time or all at once, the same text."""
+    ids = ids_of(tok, "the cache block stream")
+    assert [tok.decode([t]) for t in ids] == ["the", " cache", " block", " stream"]
+    d, deltas = feed(tok, ids, stop=["e"], min_tokens=2)
+    assert d.stopped and "".join(deltas) == "the cache block str"
+    at_once = IncrementalDetokenizer(tok, ids_of(tok, "A prompt"), ["e"], False, min_tokens=2)
+    assert at_once.add(ids) == "the cache block str" and at_once.stopped
+
+
+def test_a_stop_that_ends_past_the_first_min_tokens_tokens_counts_from_where_it_began(tok):
+    """As vLLM's lookback: the first "he c" lies inside the first three tokens' text and is ignored;
+    the second begins inside it ("the") and ends past it (" cache"), and cuts there."""
+    ids = ids_of(tok, "the cache the cache block")
+    assert [tok.decode([t]) for t in ids] == ["the", " cache", " the", " cache", " block"]
+    d, deltas = feed(tok, ids, stop=["he c"], min_tokens=3)
+    assert d.stopped and "".join(deltas) == "the cache t"
 
 
 def test_possible_stop_prefix_is_held_then_released(tok):

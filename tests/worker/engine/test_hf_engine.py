@@ -77,6 +77,14 @@ def test_stop_string_finishes_with_stop_and_cuts_the_text(engine):
         assert got["reason"] == "stop" and got["text"] == full[:cut]
 
 
+def test_a_stop_string_ends_nothing_within_min_tokens(engine):
+    assert engine.tokenizer.decode([67]) == "a"
+    engine.add_request("m", prompt_ids(engine, PROMPTS[0]),
+                       greedy(max_tokens=8, stop=["a"], min_tokens=5, logit_bias={67: 100.0}))
+    got = run(engine)[("m", 0)]
+    assert (got["text"], got["reason"], len(got["ids"])) == ("aaaaa", "stop", 6)
+
+
 def test_stop_token_id_finishes_without_its_text(engine):
     ids = prompt_ids(engine, PROMPTS[0])
     engine.add_request("full", ids, greedy(max_tokens=6, ignore_eos=True))

@@ -98,6 +98,16 @@ def test_stop_string_across_tokens_cuts_the_text(model_dir, random_prompts):
     assert cut.text == free.text[:free.text.index(stop)]
 
 
+def test_a_stop_string_ends_nothing_within_min_tokens(model_dir):
+    """The probe's case: every token is "a" and so is the stop string; the first five are kept, the
+    sixth stops (vLLM: stop strings are checked only past min_tokens)."""
+    llm = LLM(model_dir)
+    assert llm.engine.tokenizer.decode([67]) == "a"
+    params = SamplingParams(max_tokens=8, temperature=0.0, stop=["a"], min_tokens=5, logit_bias={67: 100.0})
+    out = llm.generate([[5, 17, 301, 42]], params)[0]
+    assert (out.text, out.finish_reason, len(out.token_ids)) == ("aaaaa", "stop", 6)
+
+
 @torch.inference_mode()
 def test_logprobs_match_transformers(model_dir, random_prompts):
     from transformers import AutoModelForCausalLM

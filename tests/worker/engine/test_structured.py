@@ -119,6 +119,26 @@ def test_min_tokens_does_not_outlast_a_complete_structure(engine):
     assert error is None and reason == "stop" and text in {"yes", "no"}
 
 
+def test_min_tokens_holds_stop_ids_back_from_a_constrained_choice(engine):
+    """The grammar allows "a" or "b" and the bias pushes "a", a stop id: held back for min_tokens,
+    then it stops the choice."""
+    assert engine.tokenizer.decode([67]) == "a"
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3, stop_token_ids=[67], logit_bias={67: 100.0},
+                            structured_outputs=StructuredOutputs(regex="[ab]+"))
+    ids, text, reason, error = run(engine, {"held": (PROMPT, params)})["held"][0]
+    assert error is None and reason == "stop" and len(ids) == 4 and ids[3] == 67
+    assert 67 not in ids[:3] and re.fullmatch("[ab]+", text)
+
+
+def test_a_stop_id_the_grammar_requires_within_min_tokens_is_text(engine):
+    """Holding "a" back would leave the row no token: the grammar's token is written, as text, and
+    stops the choice only past min_tokens."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, min_tokens=3, stop_token_ids=[67],
+                            structured_outputs=StructuredOutputs(regex="aaaa"))
+    ids, text, reason, error = run(engine, {"forced": (PROMPT, params)})["forced"][0]
+    assert (ids, text, reason, error) == ([67] * 4, "aaa", "stop", None)
+
+
 def test_a_resumed_request_with_every_choice_finished_leaves_nothing_in_the_engine(engine):
     params = json_params(SCHEMAS["point"], seed=4, n=2)
     engine.add_request("all-done", PROMPT, params, Resume(output_ids={0: [], 1: []}, finished={0, 1}))
