@@ -136,9 +136,20 @@ def problem(kind: str, text: str) -> tuple[str, str] | None:
             xgr.Grammar.from_regex(text)
         else:
             xgr.Grammar.from_ebnf(text)
-    except RuntimeError as exc:  # xgrammar's parse errors: "[time] file.cc:line: what went wrong"
-        return "invalid_structured_output", f" does not compile: {str(exc).strip().split(': ', 1)[-1]}"
+    except RuntimeError as exc:
+        return "invalid_structured_output", f" does not compile: {_xgrammar_words(str(exc))}"
     return None
+
+
+def _xgrammar_words(error: str) -> str:
+    """xgrammar's error ("[time] file.cc:line: what went wrong", or an assertion's "Check failed:
+    (expression) is false: what") as what went wrong, in words about the request."""
+    said = error.strip().split(": ", 1)[-1]
+    if said.startswith("Check failed:"):
+        said = said.split(" is false: ", 1)[-1]
+        if "INT64" in error:
+            said += " (an integer's bounds must lie within 64 bits, ±9223372036854775807)"
+    return said
 
 
 # JSON schema keywords xgrammar's grammars do not enforce: their grammar is that of the schema without

@@ -144,6 +144,9 @@ def check():
     ({"structured_outputs": {"json": {"type": "object", "minProperties": -1}}}, "structured_outputs",
      "minProperties"),
     ({"guided_regex": "[a-"}, "guided_regex", "does not compile"),
+    # xgrammar's assertion ("Check failed: (val >= MIN_INT64_AS_DOUBLE) is false") said as the limit
+    ({"guided_json": {"type": "integer", "minimum": -1e300}}, "guided_json",
+     "does not compile: Integer exceeds minimum limit (an integer's bounds must lie within 64 bits"),
     ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar", "undefined_rule"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
       "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"},
