@@ -156,3 +156,15 @@ async def test_responses_name_their_own_fields_for_what_chat_refuses(roomy, fiel
     error = resp.json()["error"]
     assert error["param"] == "input" and error["message"].startswith(says), error
     assert "of the chat request it becomes" in error["message"]
+
+
+async def test_a_messages_turn_past_its_blocks_bound_names_the_bound(roomy):
+    """Of `content`'s two forms (a string, a list of blocks), the list broke its bound: that is said,
+    not that the content should have been a string (in Anthropic's shape on /v1/messages)."""
+    uses = [{"type": "tool_use", "id": f"t{i}", "name": "f", "input": {}} for i in range(2000)]
+    resp = await roomy.post("/v1/messages", headers={"authorization": "Bearer sk-boot"}, json={
+        "model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"},
+                                                       {"role": "assistant", "content": uses}]})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["message"].startswith("messages.1.content: List should have at most 256 items"), error
