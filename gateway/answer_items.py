@@ -24,6 +24,7 @@ class Item:
     call_id: str | None = None
     name: str | None = None
     closed: bool = False
+    cut: bool = False  # the reply ended while it was being written (max tokens, an error): incomplete
     pieces: list[str] = field(default_factory=list)  # joined when read: `text += piece` for every
     # token copied the whole text each time (a 128k-token answer: 3.4 s of the event loop)
 
@@ -70,11 +71,11 @@ class Items:
 
     def feed(self, reply: protocol.Delta) -> list[Event]:
         events: list[Event] = []
-        if reply.reasoning:
-            events += self._add("reasoning", reply.reasoning)
-        text = reply.text
+        reasoning, text = reply.reasoning or "", reply.text
         if reply.finish_reason == "stop":
-            text = self._cut_stop(text)
+            reasoning, text = self._cut_stop(reasoning, text)
+        if reasoning:
+            events += self._add("reasoning", reasoning)
         last = reply.finish_reason is not None
         delta = self.output.delta(text, last)
         if delta.get("content"):
@@ -83,19 +84,23 @@ class Items:
             events += self._call(call)
         if last:
             self.finish_reason = self.output.finish_reason(reply.finish_reason)
-            events += self._close()
+            events += self._close(cut=reply.finish_reason != "stop")
         return events
 
     def close(self) -> list[Event]:
-        """The reply ended without a finish reason (an error): what is open is closed."""
-        return self._close()
+        """The reply ended without a finish reason (an error): what is open is closed, cut."""
+        return self._close(cut=True)
 
-    def _cut_stop(self, text: str) -> str:
+    def _cut_stop(self, reasoning: str, text: str) -> tuple[str, str]:
+        """The finishing (reasoning, text) without the stop sequence that ends them: a stop matched in
+        the thinking ends the thinking and leaves no text (chat's reasoning_content ends there too)."""
+        written = reasoning + text
         for stop in self.stops:  # in the request's order: the detokenizer's tie-break
-            if text.endswith(stop):
+            if written.endswith(stop):
                 self.stop_sequence = stop
-                return text[:-len(stop)]
-        return text
+                keep = len(written) - len(stop)
+                return reasoning[:keep], text[:max(keep - len(reasoning), 0)]
+        return reasoning, text
 
     def _text(self, content: str) -> list[Event]:
         if self._open is None or self._open.kind != "text":
@@ -133,9 +138,9 @@ class Items:
         events.append(Append(self._open, piece))
         return events
 
-    def _close(self) -> list[Event]:
+    def _close(self, cut: bool = False) -> list[Event]:
         if self._open is None:
             return []
         item, self._open = self._open, None
-        item.closed = True
+        item.closed, item.cut = True, cut
         return [Close(item)]

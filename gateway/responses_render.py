@@ -59,7 +59,7 @@ class ResponseRender:
         return f"{prefix}_{digest}"
 
     def _item(self, item: Item, done: bool = True) -> dict[str, Any]:
-        status = "completed" if done else "in_progress"
+        status = "in_progress" if not done else "incomplete" if item.cut else "completed"
         if item.kind == "reasoning":
             content = [{"type": "reasoning_text", "text": item.text}] if done else []
             return {"id": self._item_id(item), "type": "reasoning", "summary": [], "content": content,

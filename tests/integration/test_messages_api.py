@@ -126,6 +126,23 @@ def test_thinking_comes_back_as_thinking_blocks(cluster):
     assert thought == whole.content[0].thinking
 
 
+def test_a_stop_sequence_in_the_thinking_ends_the_thinking_and_says_which(cluster):
+    client = _client(cluster)
+    kwargs = dict(model="demo", max_tokens=30, extra_body=GREEDY, messages=[{"role": "user", "content": "Think"}],
+                  thinking={"type": "enabled", "budget_tokens": 1024})
+    thought = client.messages.create(**kwargs).content[0].thinking
+    stop = thought.split()[3]  # a word in the middle of the greedy thinking
+    cut = client.messages.create(stop_sequences=[stop], **kwargs)
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop
+    assert [b.type for b in cut.content] == ["thinking"] and cut.content[0].thinking == thought[:thought.index(stop)]
+    with client.messages.stream(stop_sequences=[stop], **kwargs) as stream:
+        pieces = "".join(e.delta.thinking for e in stream
+                         if e.type == "content_block_delta" and e.delta.type == "thinking_delta")
+        streamed = stream.get_final_message()
+    assert pieces == cut.content[0].thinking
+    assert streamed.stop_reason == "stop_sequence" and streamed.stop_sequence == stop
+
+
 def test_errors_are_anthropics(cluster):
     limited = _client(cluster, _key(cluster, "messages-rpm-" + secrets.token_hex(3), rpm=1))
     limited.messages.create(model="demo", max_tokens=1, messages=USER)

@@ -54,6 +54,7 @@ def test_plain_and_streamed_give_the_same_text_and_usage_is_what_the_client_was_
     assert whole.object == "response" and whole.id.startswith("resp_")
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert whole.output[0].type == "message" and whole.output_text
+    assert whole.output[0].status == "incomplete", "the limit cut the message"
     assert whole.usage.output_tokens == 12
     assert whole.usage.total_tokens == whole.usage.input_tokens + 12
 
@@ -68,6 +69,7 @@ def test_plain_and_streamed_give_the_same_text_and_usage_is_what_the_client_was_
     assert text == whole.output_text == next(e.text for e in events if e.type == "response.output_text.done")
     final = events[-1].response
     assert final.output_text == text and final.usage.total_tokens == whole.usage.total_tokens
+    assert final.output[0].status == "incomplete"
 
     row = _usage(cluster, "responses-usage")
     assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (
