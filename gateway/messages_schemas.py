@@ -213,6 +213,9 @@ def _chat_tool(i: int, tool: Tool) -> dict:
     if tool.type not in (None, "custom"):
         raise InvalidRequest(f"tools[{i}] is of type '{tool.type}'; only client tools (name, "
                              "description, input_schema) are served", param=f"tools.{i}.type")
+    if tool.input_schema is None:  # Anthropic requires it of a client tool
+        raise InvalidRequest(f"tools[{i}].input_schema is required: a JSON schema of the tool's input "
+                             '(`{"type": "object"}` for any)', param=f"tools.{i}.input_schema")
     function = {"name": tool.name, "description": tool.description, "parameters": tool.input_schema}
     return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
 

@@ -136,6 +136,14 @@ def test_an_anthropic_server_tool_is_refused_by_name():
     assert refused.value.param == "tools.0.type"
 
 
+def test_an_anthropic_client_tool_without_its_input_schema_is_refused_by_name():
+    body = MessagesRequest.model_validate({"model": "demo", "max_tokens": 1, "messages": [
+        {"role": "user", "content": "hi"}], "tools": [{"name": "get_weather"}]})
+    with pytest.raises(InvalidRequest) as refused:
+        body.chat()
+    assert refused.value.param == "tools.0.input_schema" and "required" in str(refused.value)
+
+
 # -- replies → items ---------------------------------------------------------------------------
 def test_reasoning_then_text_are_two_items_whole_or_in_pieces():
     whole = _plain()
@@ -175,6 +183,22 @@ def _events(chunks: list[bytes]) -> list[dict]:
     return [orjson.loads(c.split(b"data: ", 1)[1]) for c in chunks]
 
 
+def test_a_stop_sequence_in_the_thinking_ends_it_and_is_named_whole_or_streamed():
+    whole = MessageRender("msg_1", "demo", Items(_plain().output, stops=["1"]))
+    whole.delta(_delta(1, reasoning="226Form 1", finish="stop"))
+    streamed = MessageRender("msg_2", "demo", Items(_plain().output, stops=["1"]))
+    chunks = streamed.delta(_delta(1, reasoning="226")) + streamed.delta(_delta(2, reasoning="Form "))
+    chunks += streamed.delta(_delta(3, reasoning="1", finish="stop"))
+    chunks += asyncio.run(streamed.done({"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}))
+    events = _events(chunks)
+    assert "".join(e["delta"]["thinking"] for e in events if e["type"] == "content_block_delta") == "226Form "
+    assert events[-2]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "1"}
+    for render in (whole, streamed):
+        message = render.result()
+        assert [(b["type"], b.get("thinking")) for b in message["content"]] == [("thinking", "226Form ")]
+        assert (message["stop_reason"], message["stop_sequence"]) == ("stop_sequence", "1")
+
+
 def test_responses_events_are_typed_and_numbered_in_order():
     body = ResponsesRequest.model_validate({"model": "demo", "input": "Hi", "store": False})
     render = ResponseRender(body, "resp_1", _plain(), None)
@@ -194,6 +218,28 @@ def test_responses_events_are_typed_and_numbered_in_order():
     assert final["status"] == "completed" and final["usage"]["total_tokens"] == 5
     assert [o["type"] for o in final["output"]] == ["reasoning", "message"]
     assert final["output"][1]["content"][0]["text"] == "Hi you" == render.result()["output"][1]["content"][0]["text"]
+
+
+def test_the_item_being_written_when_the_limit_or_an_error_ends_the_response_is_incomplete():
+    body = ResponsesRequest.model_validate({"model": "demo", "input": "Hi", "store": False})
+    cut = ResponseRender(body, "resp_1", _named(), None)
+    chunks = cut.delta(_delta(1, "{\"city\": ")) + cut.delta(_delta(2, "\"Os", finish="length"))
+    chunks += asyncio.run(cut.done({"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}))
+    events = _events(chunks)
+    done = next(e for e in events if e["type"] == "response.output_item.done")
+    assert done["item"]["type"] == "function_call" and done["item"]["status"] == "incomplete"
+    assert events[-1]["type"] == "response.incomplete"
+    assert [o["status"] for o in events[-1]["response"]["output"]] == ["incomplete"]
+    assert [o["status"] for o in cut.result()["output"]] == ["incomplete"]
+
+    failed = ResponseRender(body, "resp_2", _plain(), None)
+    chunks = failed.delta(_delta(1, "Hi", reasoning="Hmm")) + failed.error(Overloaded("worker lost"))
+    events = _events(chunks)
+    assert [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"] == [
+        "completed", "incomplete"]
+    assert events[-1]["type"] == "response.failed"
+    assert [(o["type"], o["status"]) for o in events[-1]["response"]["output"]] == [
+        ("reasoning", "completed"), ("message", "incomplete")]
 
 
 def test_messages_events_follow_anthropics_sequence_and_errors_its_shape():
