@@ -4,20 +4,24 @@ new spellings alike).
 Mistral is Llama's module with a sliding attention window (`layer_windows`: each layer's); Phi-3 is
 Llama's with q/k/v and gate/up stored fused in the checkpoint (worker/models/loader.py reads its
 parts from there) and RoPE over part of each head where it says so (Phi-4-mini: 3/4; `rotary_dim`);
-Gemma 2 and 3 are worker/models/gemma.py's, on the same attention; Mixtral, Qwen2-MoE and Qwen3-MoE are
+Gemma 1, 2 and 3 are worker/models/gemma.py's, on the same attention; Mixtral, Qwen2-MoE and Qwen3-MoE are
 Llama's, Qwen2's and Qwen3's with a sparse mixture of experts in place of the MLP (`moe`:
 worker/models/moe.py); OLMo 2 and 3 are worker/models/olmo.py's (each branch normed after it, q and k
 each normed across all their heads; OLMo 3's sliding layers on a RoPE of their own), OLMoE Llama's
 with OLMo's q/k norms, q/k/v clipped and a mixture of experts; SmolLM3 Llama's with no RoPE in every
 fourth layer (`rope_layers`); Ministral 3 Mistral's with its queries scaled past the original
 context (`query_scaling`); gpt-oss worker/models/gpt_oss.py's (sinks in every attention, experts
-with biases and a clamped SwiGLU; its MXFP4 experts dequantized as they load). One thing caps the
-context served below the model's
-(`ModelConfig.context_cap`), where the model computes exactly what kvgate computes and no further:
+with biases and a clamped SwiGLU; its MXFP4 experts dequantized as they load); GLM Llama's with
+half of each head rotated, by adjacent pairs (`rope_interleaved`), and gate/up stored fused,
+GLM-4-0414 with each branch's output normed too (`branch_norms`); OLMo 1 Llama's on LayerNorms
+without weights, q/k/v clipped; Command R and R7B worker/models/cohere.py's (attention and MLP side
+by side, RoPE by adjacent pairs; R7B's full layers unrotated). One thing caps the context served
+below the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes
+and no further:
 LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose long
 ones, past it, would change every position's rotation at once — which neither a paged cache nor a
 prefix cache can follow. What the module cannot compute (partial rotary embeddings
-outside Phi-3, an activation other than its family's, an attention soft-cap outside Gemma 2, a
+outside Phi-3 and GLM, an activation other than its family's, an attention soft-cap outside Gemma 2, a
 quantized checkpoint other than gpt-oss's MXFP4 experts) is refused here, by name."""
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
                  "Qwen3MoeForCausalLM": "qwen3_moe", "Olmo2ForCausalLM": "olmo2", "Olmo3ForCausalLM": "olmo3",
                  "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3", "Ministral3ForCausalLM": "ministral3",
-                 "GptOssForCausalLM": "gpt_oss"}
+                 "GptOssForCausalLM": "gpt_oss", "GemmaForCausalLM": "gemma", "GlmForCausalLM": "glm",
+                 "Glm4ForCausalLM": "glm4", "OlmoForCausalLM": "olmo", "CohereForCausalLM": "cohere",
+                 "Cohere2ForCausalLM": "cohere2"}
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
 # sequence exactly as plain RoPE does (its three position axes are equal there).
@@ -40,8 +46,13 @@ MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3", "Mistral3ForConditiona
 TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral", "ministral3": "ministral3", "qwen2_5_vl_text": "qwen2",
                "qwen3_vl_text": "qwen3"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
-GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py
+GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py's four norms a layer (Gemma 1's there too, with two)
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
+GLM = ("glm", "glm4")
+COHERE = ("cohere", "cohere2")  # worker/models/cohere.py
+PARTIAL_ROTARY = ("phi3", *GLM)  # families whose attention rotates part of each head where the config says
+# families whose transformers model attends the whole sequence whatever sliding_window says
+NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "cohere")
 TWO_ROPES = ("gemma3", "olmo3")  # sliding layers rotated by a RoPE of their own
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -72,9 +83,9 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rotary_dim: int  # the leading values of each head that RoPE rotates (Phi-3's partial_rotary_factor)
+    rotary_dim: int  # the leading values of each head RoPE rotates (Phi-3's and GLM's partial_rotary_factor)
     intermediate_size: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's epsilon (Cohere's LayerNorms' too: its layer_norm_eps)
     rope_theta: float
     rope_scaling: dict | None  # None for plain RoPE, else has "rope_type" (one of ROPE_TYPES)
     max_position_embeddings: int
@@ -83,8 +94,8 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: str | None  # "head": each head RMS-normed alone (Qwen3, Gemma 3); "whole": q and k each
-    # across all their heads at once (OLMo 2, 3, OLMoE); None: no q/k norm
+    qk_norm: str | None  # "head": each head normed alone (Qwen3, Gemma 3; Command R+'s with weights of its own);
+    # "whole": q and k each across all their heads at once (OLMo 2, 3, OLMoE); None: no q/k norm
     dtype: str | None  # as the checkpoint was saved
     # Gemma 2 and 3 (worker/models/gemma.py): attention scaled by query_pre_attn_scalar^-0.5, not
     # head_dim's; logits soft-capped (tanh(x / cap) * cap), Gemma 2's attention scores too; Gemma 3's
@@ -107,6 +118,10 @@ class ModelConfig:
     # clamped above at limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)
     attn_sinks: bool = False
     swiglu: tuple[float, float] | None = None
+    # GLM and Cohere: RoPE turns each head's adjacent pairs (2i, 2i + 1), not its halves (i, i + rotary_dim / 2)
+    rope_interleaved: bool = False
+    branch_norms: bool = False  # GLM-4-0414: each branch's output RMS-normed too, before its residual add
+    logit_scale: float | None = None  # Cohere: logits x it
 
     def local_rope(self, layer: int) -> bool:
         """Whether a layer rotates by the sliding layers' own RoPE (Gemma 3's and OLMo 3's sliding layers)."""
@@ -137,7 +152,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     raw = _text_part(json.loads((Path(model_dir) / "config.json").read_text()))
     arch = _arch(raw)
     heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    head_dim = raw.get("head_dim") or _HEAD_DIM.get(arch) or raw["hidden_size"] // heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
     windows = tuple(_layer_windows(raw, arch))
     theta, scaling, local_theta = (_two_ropes(raw, arch, max_position_embeddings) if arch in TWO_ROPES
@@ -149,26 +164,34 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         arch=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=head_dim, rotary_dim=int(head_dim * _partial_rotary(raw)),
-        intermediate_size=raw["intermediate_size"], rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        head_dim=head_dim, rotary_dim=int(head_dim * _partial_rotary(raw, arch)),
+        intermediate_size=raw["intermediate_size"],
+        rms_norm_eps=raw.get("layer_norm_eps", 1e-5) if arch in COHERE else raw.get("rms_norm_eps", 1e-6),
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
-        tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch == "smollm3"),  # their default: tied
-        qkv_bias=True if arch in QWEN2 else bias, o_bias=False if arch in QWEN2 else bias,
+        tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch in ("gemma", "smollm3", *COHERE)),  # tied
+        qkv_bias=True if arch in QWEN2 else raw.get("attention_bias", arch in GLM),  # GLM's default: biased
+        o_bias=False if arch in (*QWEN2, *GLM) else bias,
         mlp_bias=raw.get("mlp_bias", False),
-        qk_norm="head" if arch in (*QWEN3, "gemma3") else "whole" if arch in (*OLMO, "olmoe") else None,
+        qk_norm="head" if arch in (*QWEN3, "gemma3") or (arch == "cohere" and raw.get("use_qk_norm"))
+        else "whole" if arch in (*OLMO, "olmoe") else None,
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if gemma else None,
         logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta, moe=_moe(raw, arch),
         attn_softcap=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
         multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch == "granite" else None,
-        post_norm=arch in OLMO, rope_layers=_rope_layers(raw) if arch == "smollm3" else None,
-        clip_qkv=raw.get("clip_qkv") if arch == "olmoe" else None,
+        post_norm=arch in OLMO,
+        # Command R7B rotates in its sliding layers only (its full ones have no position encoding)
+        rope_layers=_rope_layers(raw) if arch == "smollm3" else tuple(w is not None for w in windows)
+        if arch == "cohere2" else None,
+        clip_qkv=raw.get("clip_qkv") if arch in ("olmo", "olmoe") else None,
         query_scaling=_query_scaling(raw) if arch == "ministral3" else None,
         attn_sinks=arch == "gpt_oss",
         swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))) if arch == "gpt_oss"
         else None,
+        rope_interleaved=arch in (*GLM, *COHERE), branch_norms=arch == "glm4",
+        logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
     )
 
 
@@ -230,10 +253,10 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
     kind = scaling["rope_type"] if scaling else "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {kind!r} in config.json ({arch}); supported: {', '.join(ROPE_TYPES)}")
-    partial = _partial_rotary(raw)
+    partial = _partial_rotary(raw, arch)
     rot = int(head_dim * partial)
-    if partial != 1.0 and (arch != "phi3" or rot % 2 or rot <= 0):
-        raise ValueError(f"partial_rotary_factor {partial} in config.json: supported for Phi-3 folders "
+    if partial != 1.0 and (arch not in PARTIAL_ROTARY or rot % 2 or rot <= 0):
+        raise ValueError(f"partial_rotary_factor {partial} in config.json: supported for Phi-3 and GLM folders "
                          "rotating an even number of each head's values; a "
                          f"{arch} folder's attention rotates all of them")
     if kind == "longrope":
@@ -247,7 +270,7 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
         raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
                          "supported (but for gpt-oss's MXFP4 experts); serve the model's unquantized (bf16, fp16 "
                          "or fp32) folder")
-    act, wanted = raw.get("hidden_activation") or raw.get("hidden_act", "silu"), _ACTIVATION.get(arch, "silu")
+    act, wanted = _activation(raw, arch), _ACTIVATION.get(arch, "silu")
     if act != wanted:
         raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")
     for name in ("attn_logit_softcapping", "use_bidirectional_attention"):
@@ -256,7 +279,18 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
             raise ValueError(f"{name} {raw[name]!r} in config.json is not supported for a {arch} folder")
 
 
-_ACTIVATION = {"gemma2": "gelu_pytorch_tanh", "gemma3": "gelu_pytorch_tanh"}  # every other family: SiLU
+_ACTIVATION = dict.fromkeys(("gemma", *GEMMA), "gelu_pytorch_tanh")  # every other family: SiLU
+# where a config leaves head_dim out: its class's default (not hidden_size / heads, as elsewhere)
+_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "glm": 128, "glm4": 128}
+
+
+def _activation(raw: dict, arch: str) -> str:
+    """The MLP's activation as transformers reads it: Gemma 2's and 3's hidden_activation; Gemma 1's
+    hidden_act, whose legacy "gelu" (the first releases' folders) GemmaConfig turns into the tanh GELU."""
+    if arch == "gemma":
+        act = raw.get("hidden_act", "gelu_pytorch_tanh")
+        return "gelu_pytorch_tanh" if act == "gelu" else act
+    return raw.get("hidden_activation") or raw.get("hidden_act", _ACTIVATION.get(arch, "silu"))
 
 
 def _two_ropes(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, dict | None, float]:
@@ -298,9 +332,11 @@ def _rope_layers(raw: dict) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags)
 
 
-def _partial_rotary(raw: dict) -> float:
-    """The share of each head RoPE rotates: in rope_parameters (transformers 5) or top level."""
-    return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+def _partial_rotary(raw: dict, arch: str) -> float:
+    """The share of each head RoPE rotates: in rope_parameters (transformers 5) or top level; GLM's
+    configs rotate half when they say nothing."""
+    top = raw.get("partial_rotary_factor", 0.5 if arch in GLM else 1.0)
+    return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", top)
 
 
 def _layer_windows(raw: dict, arch: str) -> list[int | None]:
@@ -308,8 +344,8 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     names each layer's kind in `layer_types`; older Qwen configs say `use_sliding_window` (layers
     from `max_window_layers` on slide); Mistral, Mixtral and Phi-3 slide in every layer when they
     have one."""
-    window, layers = raw.get("sliding_window", 4096 if arch == "olmo3" else None), raw["num_hidden_layers"]
-    if not window or arch in ("llama", "olmo2", "olmoe"):  # transformers' attend whole sequences whatever they say
+    window, layers = raw.get("sliding_window", 4096 if arch in ("olmo3", "cohere2") else None), raw["num_hidden_layers"]
+    if not window or arch in NO_WINDOW:
         return [None] * layers
     if arch == "smollm3":  # sliding where layer_types says, only if use_sliding_window; by default its NoPE layers
         kinds = raw.get("layer_types") or ["full_attention" if rope else "sliding_attention"
@@ -329,8 +365,8 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     if arch in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else layers
         return [window if i >= first else None for i in range(layers)]
-    if arch in GEMMA:  # before layer_types: every sliding_window_pattern-th layer is a full one
-        pattern = raw.get("sliding_window_pattern", 6 if arch == "gemma3" else 2)
+    if arch in (*GEMMA, "cohere2"):  # before layer_types: every sliding_window_pattern-th layer is a full one
+        pattern = raw.get("sliding_window_pattern", {"gemma3": 6, "gemma2": 2}.get(arch, 4))
         return [window if (i + 1) % pattern else None for i in range(layers)]
     return [window] * layers
 

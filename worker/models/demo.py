@@ -119,7 +119,9 @@ def _config(arch: str, **kw):
            "qwen3_moe": transformers.Qwen3MoeConfig, "olmo2": transformers.Olmo2Config,
            "olmo3": transformers.Olmo3Config, "olmoe": transformers.OlmoeConfig,
            "smollm3": transformers.SmolLM3Config, "ministral3": transformers.Ministral3Config,
-           "gpt_oss": transformers.GptOssConfig}[arch]
+           "gpt_oss": transformers.GptOssConfig, "gemma": transformers.GemmaConfig,
+           "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config, "olmo": transformers.OlmoConfig,
+           "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config}[arch]
     return cls(**kw)
 
 
@@ -169,8 +171,8 @@ def build_model_dir(
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # larger-than-default init so greedy outputs vary across prompts
         for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08)
+            if p.dim() >= 2:  # Cohere's per-head q/k norms: around 1, as built, but each head its own
+                p.normal_(1.0, 0.3) if "_norm." in name else p.normal_(0.0, 0.08)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     model.generation_config.save_pretrained(path)

@@ -1,9 +1,10 @@
-"""Gemma 3 text models (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b) and Gemma 2 on the Llama family's
-attention, linears and paged cache, with what Gemma does differently, each as transformers' Gemma3
-and Gemma2 compute it:
+"""Gemma 3 text models (Gemma3ForCausalLM: gemma-3-270m, gemma-3-1b), Gemma 2 and Gemma 1 on the Llama
+family's attention, linears and paged cache, with what Gemma does differently, each as transformers'
+Gemma3, Gemma2 and Gemma compute it:
 
 - RMSNorm scales by (1 + w), in fp32, cast after (the checkpoint stores w around 0);
-- four norms a layer: the attention's and the MLP's outputs are normed before their residual adds;
+- Gemma 2 and 3: four norms a layer, the attention's and the MLP's outputs normed before their
+  residual adds (Gemma 1: Llama's two, before each branch);
 - the embeddings are multiplied by sqrt(hidden_size); the MLP is GELU (tanh) x up;
 - q/k RMSNorm per head (Gemma 3); the scores scaled by query_pre_attn_scalar^-0.5;
 - sliding layers (Gemma 3: five of six) attend a window with their own RoPE base (10,000), the full
@@ -48,15 +49,22 @@ class GemmaDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
         self.local_rope = cfg.local_rope(index)
+        self.sandwich = cfg.arch != "gemma"  # Gemma 2 and 3 norm each branch's output too
         norm = lambda dim: GemmaRMSNorm(dim, cfg.rms_norm_eps)  # noqa: E731
         self.input_layernorm, self.post_attention_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(cfg.hidden_size), norm(cfg.hidden_size)
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size)
         self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index], norm=GemmaRMSNorm)
-        self.self_attn.scale = cfg.query_pre_attn_scalar ** -0.5
+        if cfg.query_pre_attn_scalar is not None:  # Gemma 1's scores: head_dim^-0.5, Llama's
+            self.self_attn.scale = cfg.query_pre_attn_scalar ** -0.5
         self.self_attn.softcap = cfg.attn_softcap
         self.mlp = GemmaMLP(cfg, shard)
 
     def forward(self, h, rope, kv_cache, meta):
+        if not self.sandwich:  # Gemma 1: post_attention_layernorm is the MLP's input norm, as in Llama
+            h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
+            return h + self.mlp(self.post_attention_layernorm(h))
         h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), rope, kv_cache, meta))
         return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 

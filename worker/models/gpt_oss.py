@@ -107,8 +107,10 @@ class GptOssDecoderLayer(nn.Module):
         h = h + self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    post_self_attn_layernorm = post_mlp_layernorm = None  # as Llama's layer, for the fused path: no branch norms
+
     @staticmethod
-    def branch(out: torch.Tensor) -> torch.Tensor:
+    def branch(out: torch.Tensor, norm: None) -> torch.Tensor:
         return out
 
 

@@ -3,7 +3,8 @@ and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer 
 Granite is Llama's with four scalars (embeddings, residual branches, scores and logits scaled);
 SmolLM3 Llama's with some layers unrotated (NoPE); Ministral 3 Mistral's with its queries scaled
 up past the original context (Llama 4's scaling); OLMoE Llama's with q and k each RMS-normed across
-all their heads, q/k/v clipped, and experts.
+all their heads, q/k/v clipped, and experts; GLM Llama's with half of each head rotated, by adjacent
+pairs (`rotate_pairs_as_halves`), GLM-4-0414 with each branch's output normed too (`branch`).
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -236,6 +237,24 @@ class Attention(nn.Module):
         """The one parameter of its own, gpt-oss's sinks: this rank's heads'."""
         return [Piece(f"{prefix}.{param}", 0, self.q_first, self.q_first + self.num_heads)]
 
+    def rotate_pairs_as_halves(self, rotary_dim: int) -> None:
+        """Once loaded, for GLM and Cohere: their RoPE turns each head's values 2i and 2i + 1 together,
+        ours i and i + rotary_dim / 2. With q's and k's rows reordered within each head (the even ones,
+        then the odd ones, then those not rotated) ours turns the same pairs by the same angles; a
+        score, the dot product of a query and a key head, is the same sum under one reordering of
+        both, and v keeps its order. So every path (native, torch, Triton; sharded or not) computes
+        theirs. A per-head q/k norm (Cohere's) is reordered with its heads."""
+        d, rows = self.head_dim, self.q_size + self.kv_size  # this rank's q heads, then its k heads
+        order = torch.cat((torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2), torch.arange(rotary_dim, d)))
+        index = (torch.arange(0, rows, d).unsqueeze(1) + order).flatten()
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm == "head" else ()
+        with torch.no_grad():
+            for param in (self.qkv_proj.weight, self.qkv_proj.bias):
+                if param is not None:
+                    param[:rows] = param[:rows][index.to(param.device)]
+            for weight in norms:
+                weight.copy_(weight[..., order.to(weight.device)])
+
 
 def _whole_width_norms(cfg: ModelConfig, shard: Shard, q_start: int, k_start: int, q_size: int, kv_size: int,
                       norm: type[nn.Module]) -> tuple[nn.Module, nn.Module]:
@@ -275,23 +294,32 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    norm_class: type[nn.Module] = RMSNorm  # the norms before the branches (OLMo 1's: a LayerNorm)
+
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
         self.local_rope = cfg.local_rope(index)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index],
                                    cfg.rope_layers is None or cfg.rope_layers[index])
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
         self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)
         self.residual_multiplier = cfg.multipliers["residual_multiplier"] if cfg.multipliers else None
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if cfg.branch_norms:  # GLM-4-0414's
+            self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, rope, kv_cache, meta):
-        h = h + self.branch(self.self_attn(self.input_layernorm(h), rope, kv_cache, meta))
-        return h + self.branch(self.mlp(self.post_attention_layernorm(h)))
+        attn = self.self_attn(self.input_layernorm(h), rope, kv_cache, meta)
+        h = h + self.branch(attn, self.post_self_attn_layernorm)
+        return h + self.branch(self.mlp(self.post_attention_layernorm(h)), self.post_mlp_layernorm)
 
-    def branch(self, out: torch.Tensor) -> torch.Tensor:
-        """A residual branch's output as it is added: Granite's scaled by its residual multiplier."""
+    def branch(self, out: torch.Tensor, norm: nn.Module | None) -> torch.Tensor:
+        """A residual branch's output as it is added: GLM-4-0414's normed (`norm`, the branch's own),
+        Granite's scaled by its residual multiplier."""
+        out = out if norm is None else norm(out)
         return out if self.residual_multiplier is None else out * self.residual_multiplier
 
 
@@ -309,6 +337,7 @@ class Backbone(nn.Module):
 
 class CausalLM(nn.Module):
     cpu_kernels: CpuKernels | None = None  # set by the runner where they apply (fp32 on CPU)
+    fuses_on_cpu = True  # whether those kernels run the layers (`_forward_fused`), or only attention (Cohere's)
     layer_class: type[nn.Module] = DecoderLayer
     norm_class: type[nn.Module] = RMSNorm  # the final norm's
 
@@ -334,7 +363,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         """Final hidden states [T, hidden] of the flattened batch."""
-        if self.cpu_kernels is not None:
+        if self.cpu_kernels is not None and self.fuses_on_cpu:
             return self._forward_fused(input_ids, positions, kv_caches, meta)
         h = self._embed(input_ids)
         ropes = self._ropes(positions, h.dtype)
@@ -353,9 +382,11 @@ class CausalLM(nn.Module):
         x = ops.add_rmsnorm(h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for layer, kv_cache, norm in zip(layers, kv_caches, after_mlp):
             table = tables[layer.local_rope]
-            attn = layer.branch(layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops, q_scale))
+            attn = layer.self_attn.forward_fused(x, positions, table, kv_cache, meta, ops, q_scale)
+            attn = layer.branch(attn, layer.post_self_attn_layernorm)
             x = ops.add_rmsnorm(h, attn, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps)
-            x = ops.add_rmsnorm(h, layer.branch(layer.mlp.forward_fused(x, ops)), norm.weight, norm.eps)
+            mlp = layer.branch(layer.mlp.forward_fused(x, ops), layer.post_mlp_layernorm)
+            x = ops.add_rmsnorm(h, mlp, norm.weight, norm.eps)
         return x
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -133,8 +133,8 @@ def _fill(param: torch.Tensor, tensors: list[torch.Tensor], dim: int) -> None:
 
 
 def _from_fused(piece: Piece, cfg: ModelConfig, files: dict[str, Path]) -> Piece | None:
-    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj`: the piece's rows
-    there (all of the part's, or under tensor parallelism this rank's slice of them)."""
+    """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (GLM gate/up): the
+    piece's rows there (all of the part's, or under tensor parallelism this rank's slice of them)."""
     module, _, param = piece.name.rpartition(".")
     base, _, part = module.rpartition(".")
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
@@ -162,11 +162,16 @@ def _fallback(name: str, files: dict[str, Path]) -> str:
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
                attention, shard: Shard = SINGLE):
     """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors
-    (under tensor parallelism: this rank's slices only)."""
-    if cfg.arch in ("gemma2", "gemma3"):
+    (under tensor parallelism: this rank's slices only); GLM's and Cohere's q and k rows then
+    reordered for our rotary layout (llama.py's rotate_pairs_as_halves)."""
+    if cfg.arch in ("gemma", "gemma2", "gemma3"):
         from worker.models.gemma import GemmaCausalLM as model_class
     elif cfg.arch == "gpt_oss":
         from worker.models.gpt_oss import GptOssCausalLM as model_class
+    elif cfg.arch == "olmo":
+        from worker.models.olmo import Olmo1CausalLM as model_class
+    elif cfg.arch in ("cohere", "cohere2"):
+        from worker.models.cohere import CohereCausalLM as model_class
     elif cfg.post_norm:
         from worker.models.olmo import OlmoCausalLM as model_class
     else:
@@ -177,5 +182,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
     if cfg.tie_word_embeddings:  # to_empty made two tensors of the one tied parameter
         model.lm_head.weight = model.model.embed_tokens.weight
     load_weights(model, model_dir)
+    if cfg.rope_interleaved:
+        for layer in model.model.layers:
+            layer.self_attn.rotate_pairs_as_halves(cfg.rotary_dim)
     model.init_rope(device)
     return model.eval()

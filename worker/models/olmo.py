@@ -7,17 +7,22 @@ paged cache, with what OLMo does differently, each as transformers computes it:
 - OLMo 3: three sliding layers to one full, the sliding ones on an unscaled RoPE of their own
   (the full ones on the config's, YaRN in the long-context releases).
 
+OLMo 1 (OlmoForCausalLM) is Llama's layer with LayerNorms that have no weight, q, k and v clipped
+where the config says.
+
 On CPU in fp32 the native kernels do the attention's work (GEMMs, the whole-width q/k norms, rope,
 decode attention) and SiLU x up; the norms around the branches stay torch's (the fused residual
-add + norm kernel computes Llama's order, norm after the add, not OLMo's).
+add + norm kernel computes Llama's order, norm after the add, not OLMo's; and RMSNorm, not OLMo 1's
+LayerNorm).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker.models.config import ModelConfig
-from worker.models.llama import MLP, Attention, CausalLM, RMSNorm
+from worker.models.llama import MLP, Attention, CausalLM, DecoderLayer, RMSNorm
 from worker.models.parallel import Shard
 
 
@@ -52,3 +57,26 @@ class OlmoCausalLM(CausalLM):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer.forward_fused(h, positions, tables[layer.local_rope], kv_cache, meta, self.cpu_kernels)
         return self.model.norm(h)
+
+
+class OlmoLayerNorm(nn.Module):
+    """OLMo 1's: a LayerNorm without weight or bias, in fp32, its epsilon 1e-5 whatever the config says."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), self.shape, None, None, eps=1e-5).to(x.dtype)
+
+
+class Olmo1DecoderLayer(DecoderLayer):
+    norm_class = OlmoLayerNorm
+
+    def forward_fused(self, h, positions, table, kv_cache, meta, ops):
+        h = h + self.self_attn.forward_fused(self.input_layernorm(h), positions, table, kv_cache, meta, ops)
+        return h + self.mlp.forward_fused(self.post_attention_layernorm(h), ops)
+
+
+class Olmo1CausalLM(OlmoCausalLM):
+    layer_class, norm_class = Olmo1DecoderLayer, OlmoLayerNorm

@@ -1,8 +1,8 @@
 """Model folders beyond Llama and Qwen: Mistral and Qwen2 with a sliding attention window (masked by
-every attention backend), Gemma 3 (text), Phi-3 (q/k/v and gate/up fused in the checkpoint;
-LongRoPE served up to its original context) and YaRN context extension (Qwen2.5's and Qwen3's
-long-context configs) are token-exact with transformers' greedy; what the module cannot compute
-exactly is refused when the folder is read, by name."""
+every attention backend), Gemma 1, 2 and 3 (text), Phi-3 (q/k/v and gate/up fused in the checkpoint;
+LongRoPE served up to its original context), GLM (RoPE by adjacent pairs), OLMo 1 to 3, Command R
+and R7B, and YaRN context extension (Qwen2.5's and Qwen3's long-context configs) are token-exact with
+transformers' greedy; what the module cannot compute exactly is refused when the folder is read, by name."""
 import json
 import logging
 import shutil
@@ -52,15 +52,16 @@ def exact_on_cpu_paths(folder, prompts: list[list[int]], expected: list[list[int
 
 def with_norms_drawn(folder, seed: int, mean: float = 0.0):
     """The folder saved again with its norm weights drawn around `mean` (not all 0, nor all 1), so
-    Gemma's (1 + w) and the weights of norms transformers builds as ones are tested."""
+    Gemma's (1 + w) and the weights of norms transformers builds as ones are tested (Cohere's per-head
+    q/k norms, [heads, head_dim], too); its biases (transformers' zeros) around 0."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
     torch.manual_seed(seed)
     with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.normal_(mean, 0.3)
+        for name, param in model.named_parameters():
+            if param.dim() == 1 or "_norm." in name:
+                param.normal_(0.0 if name.endswith(".bias") else mean, 0.3)
     model.save_pretrained(folder)
     return folder
 
@@ -166,6 +167,25 @@ def test_gemma3_older_config_reads_the_same(tmp_path, gemma_dir):
         read_model_config(rewritten(gemma_dir, tmp_path / "g2", attn_logit_softcapping=50.0))
 
 
+def test_gemma1_matches_transformers(tmp_path, build_tiny, random_prompts, hf_greedy):
+    """Gemma 1: Llama's two norms a layer, but Gemma's (1 + w) ones (weights not zero here), scaled
+    embeddings, GELU-tanh and tied head; no soft-caps, no windows, scores scaled by head_dim^-0.5.
+    The first releases' config (hidden_act "gelu", which transformers reads as the tanh GELU; rope_theta
+    top level) reads the same; a head_dim left out is GemmaConfig's 256, not hidden / heads."""
+    folder = with_norms_drawn(build_tiny("gemma1", "gemma", head_dim=16, tie_word_embeddings=True), seed=4)
+    cfg = read_model_config(folder)
+    assert (cfg.arch, cfg.layer_windows, cfg.query_pre_attn_scalar, cfg.logit_softcap) == ("gemma", (None,) * 2, None,
+                                                                                          None)
+    assert cfg.tie_word_embeddings and cfg.qk_norm is None
+    old = rewritten(folder, tmp_path / "old", hidden_act="gelu", rope_parameters=None, rope_theta=10000.0,
+                    tie_word_embeddings=None)
+    assert read_model_config(old) == cfg
+    assert read_model_config(rewritten(folder, tmp_path / "unsaid", head_dim=None)).head_dim == 256  # GemmaConfig's
+    prompts = random_prompts(4, 20, 90, seed=41)
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
 def rewritten(src, dst, **changes):
     """A copy of the folder whose config.json has `changes` (None deletes a field)."""
     shutil.copytree(src, dst)
@@ -201,6 +221,9 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
     (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
      "unsupported architecture.*DeepseekV3ForCausalLM"),
     (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 in config.json is not supported for a mistral"),
+    (dict(architectures=["GlmForCausalLM"], model_type="glm", rope_parameters=dict(  # 5 of 16 values: an odd number
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3125)),
+     "partial_rotary_factor 0.3125 in config.json: supported for Phi-3 and GLM folders rotating an even number"),
 ])
 def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
     folder = rewritten(build_tiny("mistral", "mistral", config_extra=dict(sliding_window=None)),
@@ -447,6 +470,68 @@ def test_olmo_matches_transformers(name, build_tiny, random_prompts, hf_greedy):
     cfg = read_model_config(folder)
     assert cfg.qk_norm == "whole" and cfg.post_norm == (arch != "olmoe")
     prompts = random_prompts(4, 20, 90, seed=17)  # past the window and YaRN's original context
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+def test_olmo1_matches_transformers(build_tiny, random_prompts, hf_greedy):
+    """OLMo 1: Llama's layer with LayerNorms that have no weight (epsilon 1e-5, whatever rms_norm_eps
+    says), q/k/v and o biases (drawn, not zero) and q, k, v clipped before RoPE; a tied head."""
+    extra = dict(clip_qkv=0.3, attention_bias=True, rms_norm_eps=0.5)
+    folder = with_norms_drawn(build_tiny("olmo1", "olmo", tie_word_embeddings=True, config_extra=extra), seed=5)
+    cfg = read_model_config(folder)
+    assert (cfg.arch, cfg.clip_qkv, cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) == ("olmo", 0.3, True, True, None)
+    prompts = random_prompts(4, 20, 90, seed=43)
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+@pytest.mark.parametrize("arch", ["glm", "glm4"])
+def test_glm_matches_transformers(arch, tmp_path, build_tiny, random_prompts, hf_greedy):
+    """GLM-4 (glm-4-9b-chat-hf) and GLM-4-0414: RoPE on half of each head, turning adjacent pairs,
+    not halves; q/k/v biased (drawn, not zero), o not; gate/up one tensor in the checkpoint; GLM-4-0414's
+    branch outputs normed (weights drawn around 1) before their residual adds. The transformers 4
+    spelling (partial_rotary_factor and rope_theta top level, or no factor: half) reads the same."""
+    folder = with_norms_drawn(build_tiny(arch, arch, head_dim=32), seed=6, mean=1.0)
+    cfg = read_model_config(folder)
+    assert (cfg.rotary_dim, cfg.rope_interleaved, cfg.qkv_bias, cfg.o_bias) == (16, True, True, False)
+    assert cfg.branch_norms == (arch == "glm4") and cfg.layer_windows == (None, None)
+    for name, top in (("old", dict(partial_rotary_factor=0.5)), ("unsaid", {})):
+        old = rewritten(folder, tmp_path / name, rope_parameters=None, rope_theta=10000.0, attention_bias=None, **top)
+        assert read_model_config(old) == cfg
+    prompts = random_prompts(4, 20, 90, seed=47)
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+COHERE = {  # name: (arch, config fields); hidden 64, 4 heads of 16, 4 layers
+    "command-r-plus-qk-norms": ("cohere", dict(use_qk_norm=True, attention_bias=True, logit_scale=0.25)),
+    "command-r7b-sliding": ("cohere2", dict(sliding_window=24)),
+}
+
+
+@pytest.mark.parametrize("name", list(COHERE))
+def test_cohere_matches_transformers(name, tmp_path, build_tiny, random_prompts, hf_greedy):
+    """Command R: one LayerNorm feeding the attention and the MLP side by side, RoPE by adjacent pairs,
+    logits scaled, the head tied; here with Command R+'s per-head q/k LayerNorms (each head its own
+    weights, drawn around 1) and biases; and Command R7B: three sliding layers to one full, only the
+    sliding ones rotated, past the window. Greedy on both CPU paths, chunked and from the prefix cache,
+    and the top-5 logprobs (the logit scale). R7B's Hub config (sliding_window_pattern, no
+    layer_types) reads the same."""
+    arch, extra = COHERE[name]
+    folder = build_tiny(name, arch, num_layers=4, tie_word_embeddings=True, config_extra=extra)
+    folder = with_norms_drawn(folder, seed=7, mean=1.0)
+    cfg = read_model_config(folder)
+    assert cfg.rope_interleaved and cfg.rotary_dim == 16 and cfg.tie_word_embeddings
+    if arch == "cohere":
+        assert (cfg.qk_norm, cfg.qkv_bias, cfg.o_bias, cfg.logit_scale, cfg.rope_layers) == ("head", True, True, 0.25,
+                                                                                             None)
+    else:
+        assert (cfg.layer_windows, cfg.rope_layers) == ((24, 24, 24, None), (True, True, True, False))
+        hub = rewritten(folder, tmp_path / "hub", layer_types=None, rope_parameters=None, rope_theta=10000.0,
+                        sliding_window_pattern=4)
+        assert read_model_config(hub) == cfg
+    prompts = random_prompts(4, 20, 90, seed=53)
     expected = hf_greedy(folder, prompts, 16)
     assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
 

@@ -3,8 +3,8 @@ transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV hea
 Qwen3 (per-head q/k norm), Phi-3 (q/k/v and gate/up fused in the checkpoint), Gemma 3 (sliding
 layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert), OLMo 2 and OLMoE
 (q and k normed across heads the ranks split), gpt-oss (sinks split with their heads, experts stored
-fused), with the prefix cache, preemption and seeded sampling
-as at TP = 1."""
+fused), GLM-4-0414 (RoPE on half of each head, by adjacent pairs) and Command R+ (q and k LayerNormed per
+head, each head its own weights), with the prefix cache, preemption and seeded sampling as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,10 @@ MODELS = {  # name: (arch, overrides)
     # interleaved gate/up pairs, the down bias once
     "gpt-oss-sinks-and-experts": ("gpt_oss", dict(num_kv_heads=2, head_dim=16, config_extra=dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=16, swiglu_limit=0.5, initializer_range=1.0))),
+    # each rank reorders its own heads' q and k rows for the pairwise RoPE; gate/up stored fused
+    "glm4-pairwise-half-rotary": ("glm4", dict(num_kv_heads=2, head_dim=32)),
+    # each rank its heads' rows of the [heads, head_dim] q/k norms (drawn N(0, 0.08), like the linears)
+    "cohere-per-head-qk-norms": ("cohere", dict(num_kv_heads=2, config_extra=dict(use_qk_norm=True))),
 }
 
 
