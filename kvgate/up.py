@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import signal
 import ssl
 import subprocess
@@ -43,7 +44,12 @@ def default_model_dir() -> Path:
 
         tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
         build_model_dir(tmp)
-        tmp.replace(cache)
+        try:
+            tmp.replace(cache)
+        except OSError:  # another process built it first (a directory is not replaced once full)
+            if not (cache / "config.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
     return cache
 
 
