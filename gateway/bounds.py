@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shared.names import MODEL_NAME_CHARS  # the batch runner checks it too
 from shared.sampling import SCHEMA_DEPTH  # noqa: F401  (the engine checks it too)
 
 
@@ -24,7 +25,6 @@ class Bound:
 INT64_MAX = 2**63 - 1
 TOKEN_ID_MAX = 2**31 - 1  # beyond any vocabulary; the model's own is checked after routing
 
-MODEL_NAME_CHARS = 256
 MAX_TOKENS = 1 << 24  # above any context length; the model's context is checked after routing
 TOP_K = 1 << 20  # a top_k at or above the vocabulary size filters nothing
 N = 16

@@ -11,6 +11,7 @@ from typing import BinaryIO
 import orjson
 
 from shared.files import BLANK
+from shared.names import MODEL_NAME_CHARS
 
 
 @dataclass
@@ -26,9 +27,9 @@ class Line:
 
 def parse_lines(data: bytes | str, endpoint: str) -> list[Line]:
     """Every non-blank line, checked for what the gateway cannot check: the batch's envelope
-    (`custom_id` unique, `method` POST, `url` the batch's endpoint, `body` with a `model`, no
-    `stream`). The body's own fields are checked by the gateway when the line is sent. Lines end
-    at "\n" and blanks are ASCII whitespace, as the gateway counted them at upload."""
+    (`custom_id` unique, `method` POST, `url` the batch's endpoint, `body` with a `model` of at most
+    MODEL_NAME_CHARS, no `stream`). The body's own fields are checked by the gateway when the line
+    is sent. Lines end at "\n" and blanks are ASCII whitespace, as the gateway counted them at upload."""
     return list(_parse(io.BytesIO(data.encode() if isinstance(data, str) else data), endpoint))
 
 
@@ -69,6 +70,8 @@ def _check(number: int, raw: bytes, offset: int, endpoint: str, seen: set[str]) 
         why = ("invalid_body", "body must be a JSON object")
     elif not isinstance(body.get("model"), str):
         why = ("missing_model", "body.model must be a string")
+    elif len(body["model"]) > MODEL_NAME_CHARS:  # it names the batch's model and a Redis key
+        why = ("invalid_model", f"body.model is longer than {MODEL_NAME_CHARS} characters")
     elif body.get("stream"):
         why = ("invalid_request", "stream is not supported in a batch")
     if why is not None:

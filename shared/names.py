@@ -11,6 +11,7 @@ PREFIX = "kvgate"
 DEFAULT_LANE = "interactive"
 BATCH_LANE = "batch"
 CONSUMER_GROUP = "workers"
+MODEL_NAME_CHARS = 256  # a model name is at most this long: it is part of key names (gateway/bounds.py)
 
 
 def model_tag(model: str) -> str:

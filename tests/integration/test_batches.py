@@ -134,6 +134,18 @@ def test_malformed_lines_land_in_the_error_file_and_the_rest_complete(client):
                       ("streamed", "invalid_request"), ("too-hot", 422)}
 
 
+def test_a_model_name_longer_than_the_gateway_takes_never_becomes_the_batchs_model(client):
+    # the batch's model is copied from its lines into its record, kept and listed for 30 days: a
+    # name as long as the file (any number of batches of one file) grew Redis outside every quota
+    huge = {**_request("huge"), "body": {**_request("huge")["body"], "model": "m" * 300_000}}
+    done = _wait(client, _submit(client, [huge, _request("fine")]).id)
+    assert done.model == "demo" and done.request_counts.model_dump() == {
+        "total": 2, "completed": 1, "failed": 1}
+    [error] = _content(client, done.error_file_id)
+    assert error["custom_id"] == "huge" and error["error"]["code"] == "invalid_model"
+    assert "256 characters" in error["error"]["message"]
+
+
 def test_lines_are_governed_as_the_owners_requests(stack):
     other_model = openai.OpenAI(base_url=stack.url + "/v1", max_retries=0,
                                 api_key=_admin_key(stack, models=["not-demo"]))
