@@ -22,6 +22,7 @@ from shared.settings import GatewaySettings
 ENVELOPE_BYTES = 64 << 10  # the most of a body that is not the file: framing and other fields
 FIELD_BYTES = 1024  # the most a form field other than the file (purpose, ...) may hold
 HOLD_STEP = 4 << 20  # an upload's quota hold grows ahead of its bytes by this much
+ESCAPED = 6  # bytes a line may spend on one byte of its body: a character written as \uXXXX
 
 OPENAPI_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"],
@@ -189,7 +190,7 @@ async def receive_upload(request: Request, settings: GatewaySettings, store: Fil
                       settings.request_timeout_s + 60)
     try:
         form = UploadForm(request.headers.get("content-type"), new,
-                          LineCheck(settings.max_file_lines), settings.max_file_bytes)
+                          _line_check(settings), settings.max_file_bytes)
         await hold.cover(_least_file_bytes(request))  # refused here: nothing of the body read
         async with asyncio.timeout(settings.request_timeout_s):
             async for chunk in request.stream():
@@ -201,6 +202,13 @@ async def receive_upload(request: Request, settings: GatewaySettings, store: Fil
         await asyncio.to_thread(new.discard)
         await asyncio.shield(hold.release())
         raise _why(exc, settings.request_timeout_s) from None
+
+
+def _line_check(settings: GatewaySettings) -> LineCheck:
+    """Lines no longer than a request body the gateway takes, even if every character of it is
+    JSON-escaped: a longer one could only be refused (413) after the runner had parsed it."""
+    return LineCheck(settings.max_file_lines, ESCAPED * settings.max_body_bytes,
+                     f" ({ESCAPED} x KVGATE_MAX_BODY_BYTES, the largest request body, escaped)")
 
 
 def _least_file_bytes(request: Request) -> int:

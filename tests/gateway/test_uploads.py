@@ -59,6 +59,22 @@ def test_the_count_is_the_batch_runners(tmp_path):
     sink.discard()
 
 
+@pytest.mark.parametrize("chunk", [1, 2, 5, 64, 10_000])
+def test_a_line_longer_than_its_bound_is_refused_whatever_the_chunking(chunk):
+    # measured from its first non-blank byte, as the runner's parse costs; blank lines are free
+    def check(text: bytes) -> int:
+        lines = LineCheck(100, max_line_bytes=10)
+        for i in range(0, len(text), chunk):
+            lines.feed(text[i:i + chunk])
+        return lines.finish()
+
+    assert check(b"0123456789\n  \t012345678 \n\n" + b" " * 50 + b"\n{}\n0123456789") == 4
+    for long in (b"0123456789a\n{}\n", b"{}\n   0123456789a", b"{}\n\n0123456789a\r\n{}"):
+        with pytest.raises(InvalidRequest) as refused:
+            check(long)
+        assert refused.value.code == "line_too_long" and "10 bytes" in str(refused.value)
+
+
 def test_file_first_then_purpose_and_a_filename_is_kept(tmp_path):
     body = form(("file", b"{}\n", "x.jsonl"), ("purpose", b"batch", None))
     assert parse(tmp_path, body, 5)[:3] == ("x.jsonl", b"{}\n", 1)

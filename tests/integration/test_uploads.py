@@ -253,6 +253,24 @@ def test_concurrent_uploads_over_two_gateways_never_pass_the_byte_quota(gw):
     assert sorted(int(v) for v in stored(gw, key["id"]).values()) == sorted(kept)
 
 
+def test_a_line_longer_than_any_request_body_is_refused_at_upload(gw):
+    # the batch runner parses each line whole, into ~30 times its size: a 57 MB line took its
+    # process (every batch's) 1.8 GB, only for the gateway to refuse the body (413) when sent
+    client = gw.client(gw.key()[0])
+    limit = 6 << 20  # 6 x KVGATE_MAX_BODY_BYTES (1 MiB): a body of the limit, every character escaped
+    opening = b'{"custom_id": "long", "method": "POST", "url": "/v1/completions", "body": {"prompt": "'
+
+    def line(size: int) -> bytes:
+        return opening + b"x" * (size - len(opening) - 3) + b'"}}'
+
+    assert upload(client, jsonl(3000) + b"  " + line(limit) + b"\n" + jsonl(3000)).bytes > limit
+    with pytest.raises(openai.BadRequestError) as refused:
+        upload(client, jsonl(3000) + line(limit + 1) + b"\n")
+    error = refused.value.body
+    assert error["code"] == "line_too_long" and error["param"] == "file"
+    assert f"{limit} bytes" in error["message"] and "KVGATE_MAX_BODY_BYTES" in error["message"]
+
+
 def test_a_50_mb_upload_leaves_the_gateways_memory_flat(gw):
     secret, _ = gw.key()
     client = gw.client(secret)
