@@ -107,8 +107,15 @@ async def canary_status(alias: Alias, routing: RouterDep) -> CanaryStatus:
 
 
 @router.post("/{alias}/promote", response_model=Route)
-async def promote(alias: Alias, store: Routes) -> Route:
-    """The canary becomes stable for everyone, now."""
+async def promote(alias: Alias, routing: RouterDep) -> Route:
+    """The canary becomes stable for everyone, now: only a version some worker has served, as a
+    stable must be when it is set (else every request for the alias would find no worker)."""
+    store = routing.store
+    route = await _get(store, alias)
+    if route.on_trial and route.canary not in await _known_versions(routing.redis, alias):
+        raise Conflict(f"No worker ever served '{alias}' version '{route.canary}': it cannot become "
+                       "stable; start its workers first, or roll it back", param="alias",
+                       code="version_not_served")
     route = await _transition(store, alias, canary.promoted)
     await store.count(alias, "promotions")
     await store.add_event(route, "promote", f"{route.stable} promoted to stable by an admin")

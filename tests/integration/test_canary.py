@@ -203,6 +203,21 @@ def test_promote_makes_the_canary_stable(env):
     assert "no canary on trial" in _cli(env, "canary", "rollback", ALIAS, ok=False)
 
 
+def test_a_version_no_worker_ever_served_is_never_promoted(env):
+    # a canary may be set before its workers start; promoted then, it left the alias no worker
+    admin = _auth(env.admin_key)
+    resp = env.http.put(f"/admin/canary/{ALIAS}", json={"version": "v-unborn", "stable": "v1"},
+                        headers=admin)
+    assert resp.status_code == 200, resp.text
+    resp = env.http.post(f"/admin/canary/{ALIAS}/promote", headers=admin)
+    assert resp.status_code == 409, resp.text
+    assert resp.json()["error"]["code"] == "version_not_served" and "v-unborn" in resp.text
+    assert env.route()["route"]["stable"] == "v1" and env.route()["route"]["phase"] == "canary"
+    _, anyone = env.key()
+    assert _served(env.ask(anyone)) == "v1"
+    assert env.http.post(f"/admin/canary/{ALIAS}/rollback", headers=admin).status_code == 200
+
+
 def test_killing_the_canary_workers_sends_traffic_to_stable_without_errors(env):
     _cli(env, "canary", "set", ALIAS, "--version", "v2", "--stable", "v1", "--weight", "100",
          "--min-samples", "1000")
