@@ -30,7 +30,7 @@ router = APIRouter(prefix="/v1/batches", tags=["batches"], responses=ERRORS,
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="ignore")  # newer clients send fields we do not use
 
-    input_file_id: str = Field(description="A file uploaded with purpose 'batch'")
+    input_file_id: str = Field(max_length=128, description="A file uploaded with purpose 'batch'")
     endpoint: Endpoint = Field(description="Where every line of the file goes")
     completion_window: Literal["24h"] = Field(description="Lines not done by then expire")
     metadata: dict[str, str] | None = Field(None, max_length=16,

@@ -159,6 +159,9 @@ ROUTE_CASES = [
     ("batch of an unknown file", "POST", "/v1/batches", {"json": {
         "input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "24h"}},
      "user", 404, "input_file_id"),
+    ("batch of a 100 kB file id", "POST", "/v1/batches", {"json": {
+        "input_file_id": "file-" + "x" * 100_000, "endpoint": "/v1/completions", "completion_window": "24h"}},
+     "user", 422, "input_file_id"),
     ("batch for another endpoint", "POST", "/v1/batches", {"json": {
         "input_file_id": "file-nope", "endpoint": "/v1/embeddings", "completion_window": "24h"}},
      "user", 422, "endpoint"),
