@@ -15,12 +15,16 @@ with biases and a clamped SwiGLU; its MXFP4 experts dequantized as they load); G
 half of each head rotated, by adjacent pairs (`rope_interleaved`), and gate/up stored fused,
 GLM-4-0414 with each branch's output normed too (`branch_norms`); OLMo 1 Llama's on LayerNorms
 without weights, q/k/v clipped; Command R and R7B worker/models/cohere.py's (attention and MLP side
-by side, RoPE by adjacent pairs; R7B's full layers unrotated). One thing caps the context served
+by side, RoPE by adjacent pairs; R7B's full layers unrotated); GLM-4.5 Llama's with half of each head
+rotated (by halves), q/k norms where `use_qk_norm`, and experts past its first dense layers, routed
+by sigmoid scores among the best groups, with shared experts (`MoeConfig.routing`); Granite 3 MoE
+Granite's with experts (a shared MLP in the Shared variant); Phi-3.5-MoE worker/models/phimoe.py's
+(LayerNorms with biases, a biased head, sparsemixer's routing). One thing caps the context served
 below the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes
 and no further:
-LongRoPE (Phi-3's 128k variants), whose short factors hold up to the original context and whose long
-ones, past it, would change every position's rotation at once — which neither a paged cache nor a
-prefix cache can follow. What the module cannot compute (partial rotary embeddings
+LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE), whose short factors hold up to the original context
+and whose long ones, past it, would change every position's rotation at once — which neither a
+paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings
 outside Phi-3 and GLM, an activation other than its family's, an attention soft-cap outside Gemma 2, a
 quantized checkpoint other than gpt-oss's MXFP4 experts) is refused here, by name."""
 from __future__ import annotations
@@ -37,7 +41,9 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "OlmoeForCausalLM": "olmoe", "SmolLM3ForCausalLM": "smollm3", "Ministral3ForCausalLM": "ministral3",
                  "GptOssForCausalLM": "gpt_oss", "GemmaForCausalLM": "gemma", "GlmForCausalLM": "glm",
                  "Glm4ForCausalLM": "glm4", "OlmoForCausalLM": "olmo", "CohereForCausalLM": "cohere",
-                 "Cohere2ForCausalLM": "cohere2"}
+                 "Cohere2ForCausalLM": "cohere2", "Glm4MoeForCausalLM": "glm4_moe",
+                 "GraniteMoeForCausalLM": "granitemoe", "GraniteMoeSharedForCausalLM": "granitemoeshared",
+                 "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe"}  # the Hub's Phi-3.5-MoE spelling
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
 # sequence exactly as plain RoPE does (its three position axes are equal there).
@@ -50,9 +56,11 @@ GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py's four norms a layer (Gem
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
 GLM = ("glm", "glm4")
 COHERE = ("cohere", "cohere2")  # worker/models/cohere.py
-PARTIAL_ROTARY = ("phi3", *GLM)  # families whose attention rotates part of each head where the config says
+GRANITES = ("granite", "granitemoe", "granitemoeshared")  # Granite's four scalars, dense and sparse
+HALF_ROTARY = (*GLM, "glm4_moe")  # where the config says nothing, half of each head rotates
+PARTIAL_ROTARY = ("phi3", *HALF_ROTARY)  # families whose attention rotates part of each head where the config says
 # families whose transformers model attends the whole sequence whatever sliding_window says
-NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "cohere")
+NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "glm4_moe", "cohere", "granitemoe", "granitemoeshared")
 TWO_ROPES = ("gemma3", "olmo3")  # sliding layers rotated by a RoPE of their own
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -61,17 +69,25 @@ ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pr
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """A sparse mixture of experts, as transformers' Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE route: softmax
-    over the router's logits in fp32, the top k experts, their weights renormalised to sum to 1
-    where `norm_topk_prob` (always in Mixtral), cast to the model's dtype except in Mixtral."""
+    """A sparse mixture of experts, routed as transformers routes each family (`routing`): "softmax"
+    (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) over the router's logits in fp32, the top k experts, their
+    weights renormalised to sum to 1 where `norm_topk_prob` (always in Mixtral), cast to the model's
+    dtype except in Mixtral; "top_k_softmax" (Granite) a softmax over the top k's logits;
+    "grouped_sigmoid" (GLM-4.5) sigmoid scores, chosen with a correction bias among the best groups;
+    "sparsemixer" (Phi-3.5-MoE) two picks, each weighted by a softmax over the scores near it."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # each expert's
     norm_topk_prob: bool
-    weights_fp32: bool  # Mixtral multiplies by the fp32 weights; the Qwens cast them first
-    shared_intermediate_size: int | None  # Qwen2-MoE's shared expert (sigmoid-gated), else None
+    weights_fp32: bool  # Mixtral and GLM multiply by the fp32 weights; the Qwens cast them first
+    shared_intermediate_size: int | None  # a shared expert every row goes through (Qwen2-MoE, GLM, Granite), else None
     sparse_layers: tuple[bool, ...]  # per layer: experts (True) or the dense MLP of intermediate_size
+    routing: str = "softmax"  # one of worker/models/moe.py's ROUTERS
+    shared_gate: bool = False  # Qwen2-MoE's shared expert's output x sigmoid(shared_expert_gate(x))
+    groups: tuple[int, int] = (1, 1)  # GLM: (n_group, topk_group), the experts chosen from the best groups
+    scaling: float = 1.0  # GLM: routed_scaling_factor, on the chosen experts' weights
+    jitter_eps: float = 0.0  # Phi-3.5-MoE: router_jitter_noise, how near the best a score is softmaxed with it
 
 
 @dataclass
@@ -122,6 +138,7 @@ class ModelConfig:
     rope_interleaved: bool = False
     branch_norms: bool = False  # GLM-4-0414: each branch's output RMS-normed too, before its residual add
     logit_scale: float | None = None  # Cohere: logits x it
+    lm_head_bias: bool = False  # Phi-3.5-MoE: the head has a bias
 
     def local_rope(self, layer: int) -> bool:
         """Whether a layer rotates by the sliding layers' own RoPE (Gemma 3's and OLMo 3's sliding layers)."""
@@ -171,16 +188,16 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
         tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch in ("gemma", "smollm3", *COHERE)),  # tied
         qkv_bias=True if arch in QWEN2 else raw.get("attention_bias", arch in GLM),  # GLM's default: biased
-        o_bias=False if arch in (*QWEN2, *GLM) else bias,
+        o_bias=False if arch in (*QWEN2, *GLM, "glm4_moe") else bias,
         mlp_bias=raw.get("mlp_bias", False),
-        qk_norm="head" if arch in (*QWEN3, "gemma3") or (arch == "cohere" and raw.get("use_qk_norm"))
+        qk_norm="head" if arch in (*QWEN3, "gemma3") or (arch in ("cohere", "glm4_moe") and raw.get("use_qk_norm"))
         else "whole" if arch in (*OLMO, "olmoe") else None,
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if gemma else None,
         logit_softcap=raw.get("final_logit_softcapping") if gemma else None,
         local_rope_theta=local_theta, moe=_moe(raw, arch),
         attn_softcap=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
-        multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch == "granite" else None,
+        multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch in GRANITES else None,
         post_norm=arch in OLMO,
         # Command R7B rotates in its sliding layers only (its full ones have no position encoding)
         rope_layers=_rope_layers(raw) if arch == "smollm3" else tuple(w is not None for w in windows)
@@ -192,31 +209,63 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         else None,
         rope_interleaved=arch in (*GLM, *COHERE), branch_norms=arch == "glm4",
         logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
+        lm_head_bias=arch == "phimoe" and bool(raw.get("lm_head_bias", False)),
     )
 
 
 def _moe(raw: dict, arch: str) -> MoeConfig | None:
-    """Mixtral's, OLMoE's and gpt-oss's experts are intermediate_size wide and in every layer; the
-    Qwens' are moe_intermediate_size wide, in every decoder_sparse_step-th layer not in mlp_only_layers.
+    """Mixtral's, OLMoE's, gpt-oss's, Granite's and Phi-3.5-MoE's experts are intermediate_size wide and in
+    every layer; the Qwens' are moe_intermediate_size wide, in every decoder_sparse_step-th layer not in
+    mlp_only_layers; GLM-4.5's moe_intermediate_size wide, in the layers from first_k_dense_replace on.
     (gpt-oss's routing, a softmax over the top k's logits, is the renormalised top k of the softmax.)"""
-    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"):
+    if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "granitemoe",
+                    "granitemoeshared", "phimoe"):
         return None
-    experts = raw.get("num_local_experts") or raw.get("num_experts")
-    top_k, layers = raw.get("num_experts_per_tok", 2), raw["num_hidden_layers"]
+    experts = raw.get("num_local_experts") or raw.get("num_experts") or raw.get("n_routed_experts")
+    top_k, layers = raw.get("num_experts_per_tok", 8 if arch == "glm4_moe" else 2), raw["num_hidden_layers"]
     if not experts or not 0 < top_k <= experts:
         raise ValueError(f"a {arch} folder needs num_experts (here {experts}) and 0 < num_experts_per_tok "
                          f"<= it (here {top_k}) in config.json")
+    every = (True,) * layers
     if arch == "mixtral":
-        return MoeConfig(experts, top_k, raw["intermediate_size"], True, True, None, (True,) * layers)
+        return MoeConfig(experts, top_k, raw["intermediate_size"], True, True, None, every)
     if arch == "olmoe":
         return MoeConfig(experts, top_k, raw["intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
-                         None, (True,) * layers)
+                         None, every)
     if arch == "gpt_oss":
-        return MoeConfig(experts, top_k, raw["intermediate_size"], True, False, None, (True,) * layers)
+        return MoeConfig(experts, top_k, raw["intermediate_size"], True, False, None, every)
+    if arch == "glm4_moe":
+        return _glm4_moe(raw, experts, top_k)
+    if arch in ("granitemoe", "granitemoeshared"):  # the shared MLP beside the experts, as one more expert
+        shared = raw.get("shared_intermediate_size", 0) if arch == "granitemoeshared" else 0
+        return MoeConfig(experts, top_k, raw["intermediate_size"], False, False, shared or None, every,
+                         routing="top_k_softmax")
+    if arch == "phimoe":
+        if top_k != 2:
+            raise ValueError(f"num_experts_per_tok {top_k} in config.json: a phimoe folder's sparsemixer routes "
+                             "each row to 2 experts")
+        return MoeConfig(experts, 2, raw["intermediate_size"], False, False, None, every, routing="sparsemixer",
+                         jitter_eps=float(raw.get("router_jitter_noise", 0.01)))
     step, dense = raw.get("decoder_sparse_step", 1) or 1, set(raw.get("mlp_only_layers") or ())
     shared = raw.get("shared_expert_intermediate_size") if arch == "qwen2_moe" else None
     return MoeConfig(experts, top_k, raw["moe_intermediate_size"], bool(raw.get("norm_topk_prob", False)), False,
-                     shared or None, tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+                     shared or None, tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+                     shared_gate=arch == "qwen2_moe")
+
+
+def _glm4_moe(raw: dict, experts: int, top_k: int) -> MoeConfig:
+    """GLM-4.5's experts as Glm4MoeConfig's defaults fill in what the folder leaves out; groups that
+    transformers' router cannot split (two best scores a group) refused by name. The MTP layers a
+    released checkpoint holds past num_hidden_layers (num_nextn_predict_layers) are not served."""
+    width, groups, chosen = raw.get("moe_intermediate_size", 1408), raw.get("n_group", 1), raw.get("topk_group", 1)
+    if experts % groups or experts // groups < 2 or not 0 < chosen <= groups or top_k > chosen * experts // groups:
+        raise ValueError(f"n_group {groups} and topk_group {chosen} in config.json: a glm4_moe folder's router "
+                         f"needs n_group to divide its {experts} experts into groups of 2 or more, and its "
+                         f"{top_k} experts a row within topk_group <= n_group groups")
+    first_sparse, shared = raw.get("first_k_dense_replace", 1), raw.get("n_shared_experts", 1) * width
+    return MoeConfig(experts, top_k, width, bool(raw.get("norm_topk_prob", True)), True, shared or None,
+                     tuple(i >= first_sparse for i in range(raw["num_hidden_layers"])), routing="grouped_sigmoid",
+                     groups=(groups, chosen), scaling=float(raw.get("routed_scaling_factor", 1.0)))
 
 
 def _text_part(raw: dict) -> dict:
@@ -253,6 +302,8 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
     kind = scaling["rope_type"] if scaling else "default"
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {kind!r} in config.json ({arch}); supported: {', '.join(ROPE_TYPES)}")
+    if arch == "phimoe" and kind not in ("default", "longrope"):
+        raise ValueError(f"rope_type {kind!r} in config.json: a phimoe folder's RoPE is served plain or LongRoPE")
     partial = _partial_rotary(raw, arch)
     rot = int(head_dim * partial)
     if partial != 1.0 and (arch not in PARTIAL_ROTARY or rot % 2 or rot <= 0):
@@ -335,7 +386,7 @@ def _rope_layers(raw: dict) -> tuple[bool, ...]:
 def _partial_rotary(raw: dict, arch: str) -> float:
     """The share of each head RoPE rotates: in rope_parameters (transformers 5) or top level; GLM's
     configs rotate half when they say nothing."""
-    top = raw.get("partial_rotary_factor", 0.5 if arch in GLM else 1.0)
+    top = raw.get("partial_rotary_factor", 0.5 if arch in HALF_ROTARY else 1.0)
     return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", top)
 
 
@@ -392,4 +443,10 @@ def _rope(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, di
         scaling.setdefault("original_max_position_embeddings", max_position_embeddings)
         if rope_type != "llama3" and scaling.get("factor") is None:
             scaling["factor"] = max_position_embeddings / scaling["original_max_position_embeddings"]
+    # transformers' Phi-3.5-MoE scales cos and sin by short_mscale within the original context (by
+    # long_mscale past it, where kvgate does not serve it: context_cap)
+    if arch == "phimoe" and rope_type == "longrope":
+        if not isinstance(scaling.get("short_mscale"), (int, float)):
+            raise ValueError("a phimoe folder's longrope RoPE needs short_mscale (a number) in config.json")
+        scaling["attention_factor"] = float(scaling["short_mscale"])
     return float(theta), scaling

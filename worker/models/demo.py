@@ -121,7 +121,9 @@ def _config(arch: str, **kw):
            "smollm3": transformers.SmolLM3Config, "ministral3": transformers.Ministral3Config,
            "gpt_oss": transformers.GptOssConfig, "gemma": transformers.GemmaConfig,
            "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config, "olmo": transformers.OlmoConfig,
-           "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config}[arch]
+           "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
+           "glm4_moe": transformers.Glm4MoeConfig, "granitemoe": transformers.GraniteMoeConfig,
+           "granitemoeshared": transformers.GraniteMoeSharedConfig, "phimoe": transformers.PhimoeConfig}[arch]
     return cls(**kw)
 
 
@@ -173,6 +175,9 @@ def build_model_dir(
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # Cohere's per-head q/k norms: around 1, as built, but each head its own
                 p.normal_(1.0, 0.3) if "_norm." in name else p.normal_(0.0, 0.08)
+        for name, b in model.named_buffers():  # GLM-4.5's router bias, built as zeros: drawn, so choosing sees it
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     model.generation_config.save_pretrained(path)

@@ -1,10 +1,11 @@
 """Llama (and Mistral, Phi-3), Qwen2 (q/k/v bias) and Qwen3 (per-head q/k RMSNorm) as one module family,
-and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE: moe.py's layer in place of the MLP);
-Granite is Llama's with four scalars (embeddings, residual branches, scores and logits scaled);
-SmolLM3 Llama's with some layers unrotated (NoPE); Ministral 3 Mistral's with its queries scaled
-up past the original context (Llama 4's scaling); OLMoE Llama's with q and k each RMS-normed across
-all their heads, q/k/v clipped, and experts; GLM Llama's with half of each head rotated, by adjacent
-pairs (`rotate_pairs_as_halves`), GLM-4-0414 with each branch's output normed too (`branch`).
+and their mixture-of-experts kin (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Granite 3 MoE: moe.py's layer
+in place of the MLP); Granite is Llama's with four scalars (embeddings, residual branches, scores and
+logits scaled); SmolLM3 Llama's with some layers unrotated (NoPE); Ministral 3 Mistral's with its
+queries scaled up past the original context (Llama 4's scaling); OLMoE Llama's with q and k each
+RMS-normed across all their heads, q/k/v clipped, and experts; GLM Llama's with half of each head
+rotated, by adjacent pairs (`rotate_pairs_as_halves`), GLM-4-0414 with each branch's output normed
+too (`branch`).
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -19,7 +20,6 @@ into the next RMSNorm, q/k norm and rope in place in the qkv rows, SiLU x up in 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -30,7 +30,7 @@ from worker.engine.attention import AttentionMetadata
 from worker.engine.cpu_native import CpuKernels
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear
-from worker.models.moe import SparseMoE, mixtral_name
+from worker.models.moe import SparseMoE, checkpoint_piece
 from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelRMSNorm, Piece,
                                     RowParallelLinear, Shard, VocabParallelEmbedding)
 
@@ -345,8 +345,8 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg, backend, shard, self.layer_class, self.norm_class)
-        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if shard.size == 1
-                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard))
+        self.lm_head = (Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias) if shard.size == 1
+                        else ParallelLMHead(cfg.vocab_size, cfg.hidden_size, shard, cfg.lm_head_bias))
         self.inv_freq: torch.Tensor | None = None
         self.local_inv_freq: torch.Tensor | None = None  # the sliding layers' own RoPE (Gemma 3, OLMo 3)
         self.rope_scale = 1.0  # YaRN's attention factor on cos and sin (the full layers')
@@ -444,4 +444,4 @@ class CausalLM(nn.Module):
         else:
             pieces = next(([Piece(name.replace(fused, part)) for part in parts]
                            for fused, parts in _FUSED.items() if f".{fused}." in name), [Piece(name)])
-        return [replace(p, name=mixtral_name(p.name)) for p in pieces] if self.cfg.arch == "mixtral" else pieces
+        return [checkpoint_piece(p, self.cfg) for p in pieces] if self.cfg.moe is not None else pieces

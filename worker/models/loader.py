@@ -85,9 +85,10 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
 
 
 def _read(handle, piece: Piece) -> torch.Tensor:
-    if piece.start is None:
+    if piece.start is None and piece.expert is None:
         return handle.get_tensor(piece.name)
-    return handle.get_slice(piece.name)[(slice(None),) * piece.dim + (slice(piece.start, piece.stop),)]
+    expert = () if piece.expert is None else (piece.expert,)
+    return handle.get_slice(piece.name)[expert + (slice(None),) * piece.dim + (slice(piece.start, piece.stop),)]
 
 
 # an FP4 (E2M1) code's value: sign bit, two exponent bits, one mantissa bit
@@ -163,7 +164,8 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                attention, shard: Shard = SINGLE):
     """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors
     (under tensor parallelism: this rank's slices only); GLM's and Cohere's q and k rows then
-    reordered for our rotary layout (llama.py's rotate_pairs_as_halves)."""
+    reordered for our rotary layout (llama.py's rotate_pairs_as_halves). A checkpoint's tensors no
+    parameter asks for (GLM-4.5's MTP layers past num_hidden_layers) are never read."""
     if cfg.arch in ("gemma", "gemma2", "gemma3"):
         from worker.models.gemma import GemmaCausalLM as model_class
     elif cfg.arch == "gpt_oss":
@@ -172,12 +174,17 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         from worker.models.olmo import Olmo1CausalLM as model_class
     elif cfg.arch in ("cohere", "cohere2"):
         from worker.models.cohere import CohereCausalLM as model_class
+    elif cfg.arch == "phimoe":
+        from worker.models.phimoe import PhimoeCausalLM as model_class
     elif cfg.post_norm:
         from worker.models.olmo import OlmoCausalLM as model_class
     else:
         model_class = CausalLM
     with torch.device("meta"):
         model = model_class(cfg, attention, shard).to(dtype)
+        for module in model.modules():
+            if getattr(module, "keeps_fp32", False):  # GLM-4.5's router, in fp32 as transformers keeps it
+                module.float()
     model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # to_empty made two tensors of the one tied parameter
         model.lm_head.weight = model.model.embed_tokens.weight

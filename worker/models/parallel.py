@@ -26,12 +26,15 @@ from worker.models.linear import Linear, linear
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows (dim 0) or columns (dim 1) [start, stop) of one checkpoint tensor; start None: all of it."""
+    """Rows (dim 0) or columns (dim 1) [start, stop) of one checkpoint tensor; start None: all of it.
+    `expert`: one expert's part of a tensor that stores them all, [experts, ...] (Granite's), which
+    dim, start and stop then count within."""
 
     name: str
     dim: int = 0
     start: int | None = None
     stop: int | None = None
+    expert: int | None = None
 
 
 class Shard:
@@ -185,8 +188,13 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits of this rank's vocabulary rows, gathered on rank 0 and cut back to the vocabulary."""
+    """Logits of this rank's vocabulary rows (and their bias, where the head has one: Phi-3.5-MoE's),
+    gathered on rank 0 and cut back to the vocabulary."""
+
+    def __init__(self, vocab_size: int, dim: int, shard: Shard, bias: bool = False):
+        super().__init__(vocab_size, dim, shard)
+        self.bias = nn.Parameter(torch.empty(self.rows)) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.shard.gather_columns(linear(hidden, self.weight, None))
+        logits = self.shard.gather_columns(linear(hidden, self.weight, self.bias))
         return logits[:, :self.vocab_size] if self.shard.rank == 0 else logits

@@ -3,14 +3,17 @@ transformers on tiny Llama (GQA, 2 KV heads, an odd vocabulary), Qwen2 (1 KV hea
 Qwen3 (per-head q/k norm), Phi-3 (q/k/v and gate/up fused in the checkpoint), Gemma 3 (sliding
 layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert), OLMo 2 and OLMoE
 (q and k normed across heads the ranks split), gpt-oss (sinks split with their heads, experts stored
-fused), GLM-4-0414 (RoPE on half of each head, by adjacent pairs) and Command R+ (q and k LayerNormed per
-head, each head its own weights), with the prefix cache, preemption and seeded sampling as at TP = 1."""
+fused), GLM-4-0414 (RoPE on half of each head, by adjacent pairs), Command R+ (q and k LayerNormed per
+head, each head its own weights), GLM-4.5 (a grouped sigmoid router, shared experts), Granite 3 MoE
+(experts stored as one tensor, a shared MLP) and Phi-3.5-MoE (sparsemixer, a biased head), with the
+prefix cache, preemption and seeded sampling as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.worker.engine.test_model_families import with_norms_drawn
 from worker.engine.llm import LLM
 from worker.engine.types import SamplingParams
 from worker.models.config import read_model_config
@@ -44,7 +47,19 @@ MODELS = {  # name: (arch, overrides)
     "glm4-pairwise-half-rotary": ("glm4", dict(num_kv_heads=2, head_dim=32)),
     # each rank its heads' rows of the [heads, head_dim] q/k norms (drawn N(0, 0.08), like the linears)
     "cohere-per-head-qk-norms": ("cohere", dict(num_kv_heads=2, config_extra=dict(use_qk_norm=True))),
+    # the grouped sigmoid router (and its correction bias) whole on each rank, the shared experts split
+    "glm4-moe-grouped-router-shared-experts": ("glm4_moe", dict(num_kv_heads=2, head_dim=16, config_extra=dict(
+        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=32,
+        routed_scaling_factor=2.5, use_qk_norm=True, attention_bias=True))),
+    # each rank its rows of every expert's gate and up out of the one [experts, 2 x width, hidden] tensor
+    "granitemoe-shared-experts-in-one-tensor": ("granitemoeshared", dict(num_kv_heads=2, config_extra=dict(
+        num_local_experts=4, intermediate_size=32, shared_intermediate_size=48, embedding_multiplier=12.0,
+        residual_multiplier=0.22, attention_multiplier=0.015625, logits_scaling=6.0))),
+    # the head's bias split with its vocabulary rows (an odd vocabulary: a padding row), LayerNorms whole
+    "phimoe-sparsemixer-head-bias": ("phimoe", dict(num_kv_heads=2, vocab_size=2047, config_extra=dict(
+        num_local_experts=4, intermediate_size=32, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3))),
 }
+DRAWN = {"phimoe-sparsemixer-head-bias"}  # norms drawn around 1, biases around 0 (transformers builds 1 and 0)
 
 
 @dataclass
@@ -58,6 +73,8 @@ class Case:
 def case(request, build_tiny, random_prompts, hf_greedy) -> Case:
     arch, overrides = MODELS[request.param]
     model_dir = build_tiny(f"tp-{request.param}", arch, **{**SMALL, **overrides})
+    if request.param in DRAWN:
+        with_norms_drawn(model_dir, seed=17, mean=1.0)
     prompts = random_prompts(6, 3, 40, seed=2)
     return Case(model_dir, prompts, hf_greedy(model_dir, prompts, MAX_NEW))
 
