@@ -13,7 +13,7 @@ from gateway.deps import KeyStoreDep, UsageDep
 from gateway.durations import parse_duration
 from gateway.keys import BOOTSTRAP_IDS, KeyRecord
 from gateway.strict_json import ParsedJSONRoute
-from shared.errors import InvalidRequest
+from shared.errors import Conflict, InvalidRequest
 
 KeyRef = Annotated[str, Path(max_length=64, description="A key's name or id")]
 NOT_NULL = ("name", "role", "models", "best_priority", "weight", "cache_scope", "version_override",
@@ -21,7 +21,7 @@ NOT_NULL = ("name", "role", "models", "best_priority", "weight", "cache_scope", 
 
 ERRORS = {status: {"model": ErrorBody, "description": what} for status, what in (
     (401, "No key, or an unknown, revoked or expired one"), (403, "Not an admin key"),
-    (404, "No such key"), (409, "The name is taken"))}
+    (404, "No such key"), (409, "The name is taken, or the key is revoked"))}
 router = APIRouter(prefix="/admin", dependencies=[Depends(require_admin)], tags=["admin"],
                    responses=ERRORS, route_class=ParsedJSONRoute)
 
@@ -68,8 +68,13 @@ async def revoke_key(key: KeyRef, store: KeyStoreDep) -> KeyRecord:
 
 @router.post("/keys/{key}/rotate", response_model=KeySecret)
 async def rotate_key(key: KeyRef, store: KeyStoreDep, body: KeyRotate | None = None) -> KeySecret:
-    """A new secret; the old one keeps working for `grace_s` seconds (default an hour; 0: dead now)."""
-    record, secret = await store.rotate(await store.resolve(key), (body or KeyRotate()).grace_s)
+    """A new secret; the old one keeps working for `grace_s` seconds (default an hour; 0: dead now).
+    A revoked key gets none (409): its new secret would be refused like the old."""
+    key_id = await store.resolve(key)
+    if (await store.get(key_id)).status == "revoked":
+        raise Conflict(f"Key '{key}' is revoked: a new secret for it would be refused too; create a new "
+                       "key instead", param="key", code="key_revoked")
+    record, secret = await store.rotate(key_id, (body or KeyRotate()).grace_s)
     return KeySecret(key=record, secret=secret)
 
 

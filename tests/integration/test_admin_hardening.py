@@ -165,6 +165,17 @@ def test_key_rotation_and_paths_are_bounded(gateway):
         assert _error(admin.get("/admin/keys/" + "k" * 64), 404)["code"] == "key_not_found"
 
 
+def test_a_revoked_key_gets_no_new_secret(gateway):
+    """Its new secret would be refused as revoked: a 409 that says so, and the record unchanged."""
+    with gateway.client("127.0.0.13") as admin:
+        key = admin.post("/admin/keys", json={"name": "rev-" + secrets.token_hex(4)}).json()["key"]
+        assert admin.post(f"/admin/keys/{key['id']}/revoke").status_code == 200
+        err = _error(admin.post(f"/admin/keys/{key['name']}/rotate", json={"grace_s": 0}), 409)
+        assert err["code"] == "key_revoked" and "revoked" in err["message"], err
+        record = admin.get(f"/admin/keys/{key['id']}").json()
+        assert record["status"] == "revoked" and record.get("rotated") is None, record
+
+
 def test_usage_since_is_bounded_and_clamped_to_retention(gateway):
     with gateway.client("127.0.0.10") as admin:
         assert _error(admin.get("/admin/usage", params={"since": "9" * 10_000}), 422)["param"].endswith("since")
