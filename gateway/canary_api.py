@@ -144,6 +144,8 @@ async def resume(alias: Alias, store: Routes) -> Route:
 
 
 async def _pause(store: RouteStore, alias: str, pause: bool) -> Route:
+    if (route := await _get(store, alias)).on_trial and route.paused == pause:
+        return route  # already so: no write, no event
     route = await _transition(store, alias, lambda r: canary.paused(r, pause))
     await store.add_event(route, "pause" if pause else "resume",
                           f"steps {'paused' if pause else 'resumed'} at {route.weight:g}%")

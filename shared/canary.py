@@ -200,6 +200,9 @@ def weighted(route: Route, weight: float) -> Route:
 
 
 def paused(route: Route, pause: bool) -> Route:
-    """Resuming restarts the step's interval: the time paused does not count as time passed."""
+    """Resuming restarts the step's interval: the time paused does not count as time passed (a
+    route already as asked is left as it is: resuming one never paused keeps its step's time)."""
+    if route.paused == pause:
+        return route
     update = {"paused": pause} if pause else {"paused": False, "step_started": time.time()}
     return route.model_copy(update=update)

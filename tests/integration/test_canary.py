@@ -218,6 +218,24 @@ def test_a_version_no_worker_ever_served_is_never_promoted(env):
     assert env.http.post(f"/admin/canary/{ALIAS}/rollback", headers=admin).status_code == 200
 
 
+def test_pause_and_resume_twice_change_nothing_the_second_time(env):
+    """Resuming a canary that is not paused must not restart its step's interval (it would put off
+    the next step), and neither repeat writes an event."""
+    _cli(env, "canary", "set", ALIAS, "--version", "v2", "--stable", "v1", "--weight", "10",
+         "--min-samples", "1000")
+    admin, before = _auth(env.admin_key), env.route()
+    resp = env.http.post(f"/admin/canary/{ALIAS}/resume", headers=admin)
+    assert resp.status_code == 200, resp.text
+    after = env.route()
+    assert after["route"]["step_started"] == before["route"]["step_started"]
+    assert len(after["events"]) == len(before["events"])
+    for _ in range(2):
+        assert env.http.post(f"/admin/canary/{ALIAS}/pause", headers=admin).json()["paused"] is True
+    kinds = [e["kind"] for e in env.route()["events"]]
+    assert kinds.count("pause") == 1 + [e["kind"] for e in before["events"]].count("pause"), kinds
+    assert env.http.post(f"/admin/canary/{ALIAS}/rollback", headers=admin).status_code == 200
+
+
 def test_killing_the_canary_workers_sends_traffic_to_stable_without_errors(env):
     _cli(env, "canary", "set", ALIAS, "--version", "v2", "--stable", "v1", "--weight", "100",
          "--min-samples", "1000")
