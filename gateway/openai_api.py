@@ -89,7 +89,7 @@ async def list_models(lease: Admitted, state: StateDep) -> dict:
     return {"object": "list", "data": [await _model_card(state, n, lease) for n in live]}
 
 
-@router.get("/models/{model_id}")
+@router.get("/models/{model_id:path}")  # a served name may have a slash (meta-llama/Llama-3.2-1B)
 async def get_model(model_id: str, lease: Admitted, state: StateDep) -> dict:
     if model_id not in await state.registry.live_names():
         raise NotFound(f"The model '{model_id}' does not exist", param="model")

@@ -462,6 +462,33 @@ def test_every_v1_response_carries_rate_limit_headers(gov):
     assert remaining == [99, 98, 97, 96, 95]
 
 
+def test_a_served_name_with_a_slash_is_found_by_its_id(gov):
+    """Served names as the Hub spells them (`--served-name meta-llama/Llama-3.2-1B`): the openai
+    client's models.retrieve sends the slash as it is."""
+    import orjson
+    import redis
+
+    from shared import names
+
+    name, worker_id = "org-" + secrets.token_hex(3) + "/Tiny-1B", "w-slash-" + secrets.token_hex(3)
+    client = redis.Redis.from_url(gov.stack.redis_url)  # a live worker of that name, as its heartbeat says
+    client.set(names.worker_key(worker_id), orjson.dumps({"worker_id": worker_id, "served_name": name,
+                                                          "version": "v1", "ts": time.time()}), ex=30)
+    client.zadd(names.WORKERS_ZSET, {worker_id: time.time() + 30})
+    _, secret = gov.create_key()
+    try:
+        deadline = time.monotonic() + 10  # the gateway's list of live workers is cached briefly
+        while (resp := httpx.get(f"{gov.gateways[0]}/v1/models/{name}", headers=_auth(secret))).status_code != 200:
+            assert resp.status_code == 404 and time.monotonic() < deadline, resp.text
+            time.sleep(0.2)
+        assert resp.json()["id"] == name
+        assert _error(httpx.get(f"{gov.gateways[0]}/v1/models/{name}x", headers=_auth(secret)), 404)
+    finally:
+        client.zrem(names.WORKERS_ZSET, worker_id)
+        client.delete(names.worker_key(worker_id))
+        client.close()
+
+
 # -- the CLI -----------------------------------------------------------------------------------
 def _cli(gov: Gov, *args: str, ok: bool = True) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("KVGATE_URL", "KVGATE_ADMIN_KEY")}
