@@ -104,11 +104,15 @@ async def _on_validation(request: Request, exc: RequestValidationError) -> JSONR
     return error_response(Unprocessable(message, param=param))
 
 
-async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def _on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     kind = {401: "authentication_error", 403: "permission_error"}.get(exc.status_code,
                                                                       "invalid_request_error")
-    return error_response(_Refused(str(exc.detail), exc.status_code, kind, None,
-                                   headers=getattr(exc, "headers", None)))
+    message = str(exc.detail)
+    if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):  # the router's
+        path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+        message = (f"Invalid URL ({request.method} {path})" if exc.status_code == 404 else
+                   f"Method {request.method} is not allowed on {path}")
+    return error_response(_Refused(message, exc.status_code, kind, None, headers=getattr(exc, "headers", None)))
 
 
 def redis_unavailable(exc: BaseException) -> Overloaded:

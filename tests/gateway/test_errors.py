@@ -69,6 +69,18 @@ async def test_refusals_before_any_route_runs_are_in_openai_shape(client, method
     assert (error["type"], error["code"]) == (kind, code) and error["message"]
 
 
+@pytest.mark.parametrize("method, path, says", [
+    ("GET", "/v1/modelz", "Invalid URL (GET /v1/modelz)"),
+    ("GET", "/v1/" + "x" * 5000, "Invalid URL (GET /v1/" + "x" * 196 + "...)"),
+    ("DELETE", "/v1/chat/completions", "Method DELETE is not allowed on /v1/chat/completions"),
+])
+async def test_a_route_that_is_not_there_is_named_with_its_method(client, method, path, says):
+    """As OpenAI says it ("Invalid URL (GET /v1/modelz)"), a long path cut: not Starlette's bare
+    "Not Found", which a client that mistyped a path cannot tell from a model that is not there."""
+    resp = await client.request(method, path, headers={"authorization": "Bearer sk-boot"})
+    assert resp.status_code in (404, 405) and resp.json()["error"]["message"] == says
+
+
 def test_no_handler_reaches_into_app_state():
     """The process's state reaches handlers through gateway/deps.py only."""
     modules = {p.name: p.read_text() for p in GATEWAY.glob("*.py")}
