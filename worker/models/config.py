@@ -139,6 +139,7 @@ class ModelConfig:
     branch_norms: bool = False  # GLM-4-0414: each branch's output RMS-normed too, before its residual add
     logit_scale: float | None = None  # Cohere: logits x it
     lm_head_bias: bool = False  # Phi-3.5-MoE: the head has a bias
+    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks (rows, columns), one scale each
 
     def local_rope(self, layer: int) -> bool:
         """Whether a layer rotates by the sliding layers' own RoPE (Gemma 3's and OLMo 3's sliding layers)."""
@@ -210,7 +211,23 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         rope_interleaved=arch in (*GLM, *COHERE), branch_norms=arch == "glm4",
         logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
         lm_head_bias=arch == "phimoe" and bool(raw.get("lm_head_bias", False)),
+        fp8_block=_fp8_block(raw.get("quantization_config")),
     )
+
+
+def _fp8_block(quant) -> tuple[int, int] | None:
+    """Block-scaled FP8 (`quant_method` "fp8", as Qwen3-*-FP8 and DeepSeek-V3 are saved): each weight
+    in float8 e4m3 with `<weight>_scale_inv`, one scale per `weight_block_size` block; the loader
+    dequantizes them to the serving dtype (what transformers' `dequantize=True` computes)."""
+    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+        return None
+    block, fmt = quant.get("weight_block_size"), quant.get("fmt", "e4m3")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b <= 1 << 16 for b in block)):
+        raise ValueError(f"quantization_config fp8 needs weight_block_size [rows, columns] (here {block!r}): "
+                         "per-tensor or per-channel FP8 checkpoints are not supported")
+    if fmt != "e4m3":
+        raise ValueError(f"quantization_config fp8 with fmt {fmt!r}: only e4m3 weights are read")
+    return block[0], block[1]
 
 
 def _moe(raw: dict, arch: str) -> MoeConfig | None:
@@ -317,10 +334,11 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
                                  "numbers")
     quant = raw.get("quantization_config")
     method = (quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed") if quant else None
-    if method and not (arch == "gpt_oss" and method == "mxfp4"):  # gpt-oss's experts: dequantized as they load
+    # dequantized as they load: gpt-oss's MXFP4 experts, block-scaled FP8 weights (Qwen3-*-FP8's)
+    if method and not (arch == "gpt_oss" and method == "mxfp4") and method != "fp8":
         raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
-                         "supported (but for gpt-oss's MXFP4 experts); serve the model's unquantized (bf16, fp16 "
-                         "or fp32) folder")
+                         "supported (but for block-scaled FP8 weights and gpt-oss's MXFP4 experts); serve the "
+                         "model's unquantized (bf16, fp16 or fp32) folder")
     act, wanted = _activation(raw, arch), _ACTIVATION.get(arch, "silu")
     if act != wanted:
         raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")

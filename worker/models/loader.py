@@ -3,7 +3,8 @@ the weights from its safetensors files — or, in a folder that has none, its Py
 (older checkpoints), read with `weights_only=True` (tensors only: a pickle cannot run code here)
 and memory-mapped, so a rank's slice reads only its own bytes there too. gpt-oss's MXFP4 experts
 (`<name>_blocks` and `<name>_scales` where the parameter's name is missing) are dequantized into
-their parameter an expert at a time."""
+their parameter an expert at a time; block-scaled FP8 weights (a float8 tensor with its
+`<name>_scale_inv`, config.py's `fp8_block`) into the serving dtype, a piece at a time."""
 from __future__ import annotations
 
 import json
@@ -78,7 +79,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
             if any(p.name not in files for p in pieces):
                 missing.append(name)
                 continue
-            tensors = [_read(handles[files[p.name]], p) for p in pieces]
+            tensors = [_read_dequantized(handles, files, p, model.cfg.fp8_block) for p in pieces]
             _fill(param, tensors, pieces[0].dim if pieces else 0)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
@@ -89,6 +90,36 @@ def _read(handle, piece: Piece) -> torch.Tensor:
         return handle.get_tensor(piece.name)
     expert = () if piece.expert is None else (piece.expert,)
     return handle.get_slice(piece.name)[expert + (slice(None),) * piece.dim + (slice(piece.start, piece.stop),)]
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _read_dequantized(handles: dict, files: dict[str, Path], piece: Piece, block: tuple[int, int] | None):
+    """The piece as stored, or an FP8 weight's piece x its blocks' scales (in fp32)."""
+    tensor = _read(handles[files[piece.name]], piece)
+    if tensor.dtype not in FP8:
+        return tensor
+    scale_name = f"{piece.name}_scale_inv"
+    if block is None or scale_name not in files:
+        raise ValueError(f"{piece.name} is stored in {tensor.dtype} without "
+                         f"{'a quantization_config fp8 with weight_block_size' if block is None else scale_name}: "
+                         "the loader cannot tell its scale")
+    stored = handles[files[piece.name]].get_slice(piece.name)
+    shape = list(stored.get_shape() if hasattr(stored, "get_shape") else stored.shape)
+    scales = handles[files[scale_name]].get_slice(scale_name)
+    scales = scales[piece.expert] if piece.expert is not None else scales[:]
+    shape = shape[1:] if piece.expert is not None else shape
+    blocks = [-(-size // b) for size, b in zip(shape, block)]
+    if len(shape) != 2 or list(scales.shape) != blocks:
+        raise ValueError(f"{scale_name} is {list(scales.shape)}: a {shape} weight in blocks of {list(block)} has "
+                         f"{blocks} scales")
+    for dim in (0, 1):  # each scale over its block, cut to the piece (a block may straddle its edge)
+        lo, hi = (0, shape[dim]) if piece.start is None or piece.dim != dim else (piece.start, piece.stop)
+        first = lo // block[dim]
+        scales = scales.narrow(dim, first, -(-hi // block[dim]) - first).repeat_interleave(block[dim], dim)
+        scales = scales.narrow(dim, lo - first * block[dim], hi - lo)
+    return tensor.float() * scales.float()
 
 
 # an FP4 (E2M1) code's value: sign bit, two exponent bits, one mantissa bit

@@ -1,0 +1,126 @@
+"""Block-scaled FP8 checkpoints (`quantization_config` {"quant_method": "fp8", "weight_block_size": [r, c]},
+as Qwen3-*-FP8 are saved): each linear's weight in float8 e4m3 beside `<weight>_scale_inv`, one scale a
+block, dequantized as it loads. The reference is the same model saved unquantized with those dequantized
+weights (what transformers serves with `dequantize=True`): on the FP8 folder the engine answers as
+transformers does on the reference, token for token and to the logprob, and a tensor-parallel rank's
+slice of a weight — blocks straddling its edges — is the dequantized weight's slice."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from tests.worker.engine.test_model_families import GREEDY, exact_on_cpu_paths, tokens
+from worker.engine.llm import LLM
+from worker.engine.types import SamplingParams
+from worker.models.config import read_model_config
+from worker.models.loader import _read_dequantized, weight_files
+from worker.models.parallel import Piece
+
+torch.set_num_threads(1)
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BLOCK = (16, 24)  # neither divides every weight: the last blocks of a row or column are partial
+E4M3_MAX = 448.0
+
+
+def _blocks(scale: torch.Tensor, shape) -> torch.Tensor:
+    return scale.repeat_interleave(BLOCK[0], 0).repeat_interleave(BLOCK[1], 1)[:shape[0], :shape[1]]
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8 weight, scale per block) as FP8 checkpoints are made: each block's largest magnitude to 448."""
+    rows, cols = (-(-n // b) for n, b in zip(w.shape, BLOCK))
+    padded = torch.zeros(rows * BLOCK[0], cols * BLOCK[1])
+    padded[:w.shape[0], :w.shape[1]] = w
+    amax = padded.view(rows, BLOCK[0], cols, BLOCK[1]).abs().amax(dim=(1, 3))
+    scale = (amax / E4M3_MAX).clamp(min=1e-12)
+    return (w / _blocks(scale, w.shape)).to(torch.float8_e4m3fn), scale
+
+
+@pytest.fixture(scope="module")
+def folders(build_tiny, tmp_path_factory):
+    """(fp8 folder, reference folder, source folder): a Qwen3 (q/k norms) with an MLP 80 wide, so blocks
+    of 24 split it."""
+    source = build_tiny("fp8-source", "qwen3", intermediate_size=80, head_dim=16)
+    fp8, ref = tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("fp8-reference")
+    for target in (fp8, ref):
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    weights = load_file(str(source / "model.safetensors"))
+    quantized, dequantized = dict(weights), dict(weights)
+    for name, w in weights.items():
+        if name.split(".")[-2] in QUANTIZED:
+            q, scale = _quantize(w.float())
+            quantized[name], quantized[f"{name}_scale_inv"] = q, scale
+            dequantized[name] = (q.float() * _blocks(scale, w.shape)).to(w.dtype)
+    assert sum(t.dtype == torch.float8_e4m3fn for t in quantized.values()) == 2 * 7
+    save_file(quantized, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": list(BLOCK)}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    return fp8, ref, source
+
+
+def test_an_fp8_folder_answers_as_transformers_on_its_dequantized_weights(folders, random_prompts, hf_greedy):
+    fp8, ref, _ = folders
+    assert read_model_config(fp8).fp8_block == BLOCK
+    prompts = random_prompts(3, 5, 40, seed=8)
+    expected = hf_greedy(ref, prompts, GREEDY.max_tokens)
+    llm = exact_on_cpu_paths(fp8, prompts, expected)
+    reference = LLM(ref, attention_backend="torch")
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
+    [got], [want] = llm.generate(prompts[:1], params), reference.generate(prompts[:1], params)
+    got, want = got.outputs[0].logprobs[0].top, want.outputs[0].logprobs[0].top
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-5)
+
+
+def test_the_quantization_is_not_a_no_op(folders):
+    """FP8 changed the weights (else the reference would be the source model, and the test above
+    could pass with the scales ignored in a model that happens to answer the same)."""
+    fp8, ref, source = folders
+    name = "model.layers.0.mlp.down_proj.weight"
+    stored, plain, before = (load_file(str(f / "model.safetensors"))[name] for f in (fp8, ref, source))
+    assert stored.dtype == torch.float8_e4m3fn and plain.dtype == before.dtype == torch.float32
+    assert not torch.equal(plain, before) and torch.allclose(plain, before, rtol=0.07, atol=1e-3)
+    assert not torch.allclose(stored.float(), plain, atol=1e-2)  # the scales matter
+
+
+@pytest.mark.parametrize("dim,start,stop", [(0, 0, 40), (0, 40, 80), (0, 13, 77), (1, 0, 32), (1, 32, 64),
+                                            (1, 5, 50)])
+def test_a_slice_of_an_fp8_weight_is_the_slice_of_the_dequantized_weight(folders, dim, start, stop):
+    """A rank's rows (column-parallel) or columns (row-parallel), their edges inside a block."""
+    fp8, ref, _ = folders
+    files = weight_files(fp8)
+    handles = {f: safe_open(str(f), "pt") for f in set(files.values())}
+    name = "model.layers.1.mlp.gate_proj.weight" if dim == 0 else "model.layers.1.mlp.down_proj.weight"
+    whole = load_file(str(ref / "model.safetensors"))[name].float()
+    got = _read_dequantized(handles, files, Piece(name, dim, start, stop), BLOCK)
+    assert torch.equal(got, whole.narrow(dim, start, stop - start))
+
+
+@pytest.mark.parametrize("quant,says", [
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "e5m2"),
+    ({"quant_method": "awq", "bits": 4}, r"quantization_config \(awq\)"),
+])
+def test_what_the_loader_cannot_dequantize_is_refused_by_name(folders, tmp_path, quant, says):
+    fp8, _, _ = folders
+    shutil.copytree(fp8, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    with pytest.raises(ValueError, match=says):
+        read_model_config(tmp_path / "m")
+
+
+def test_an_fp8_weight_without_its_scale_is_refused_by_name(folders, tmp_path):
+    fp8, _, _ = folders
+    shutil.copytree(fp8, tmp_path / "m")
+    weights = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del weights["model.layers.0.self_attn.o_proj.weight_scale_inv"]
+    save_file(weights, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="o_proj.weight_scale_inv"):
+        tokens(LLM(tmp_path / "m").generate([[5, 6, 7]], GREEDY))
