@@ -19,10 +19,14 @@ by side, RoPE by adjacent pairs; R7B's full layers unrotated); GLM-4.5 Llama's w
 rotated (by halves), q/k norms where `use_qk_norm`, and experts past its first dense layers, routed
 by sigmoid scores among the best groups, with shared experts (`MoeConfig.routing`); Granite 3 MoE
 Granite's with experts (a shared MLP in the Shared variant); Phi-3.5-MoE worker/models/phimoe.py's
-(LayerNorms with biases, a biased head, sparsemixer's routing). One thing caps the context served
-below the model's (`ModelConfig.context_cap`), where the model computes exactly what kvgate computes
-and no further:
-LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE), whose short factors hold up to the original context
+(LayerNorms with biases, a biased head, sparsemixer's routing); ERNIE 4.5 Llama's with RoPE by adjacent
+pairs over the whole head and every linear biased where use_bias; EXAONE 4 worker/models/olmo.py's
+(OLMo 2's norms after the branches, with Llama's norms, q/k normed per head, three sliding layers to
+one full where it has a window, the full ones unrotated); Seed-OSS Llama's with o's bias apart from
+q/k/v's (attention_out_bias); AFM worker/models/arcee.py's (a non-gated ReLU² MLP); StarCoder 2
+worker/models/starcoder2.py's (biased LayerNorms, a non-gated GELU-tanh MLP, every linear biased).
+One thing caps the context served below the model's (`ModelConfig.context_cap`), where the model
+computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE), whose short factors hold up to the original context
 and whose long ones, past it, would change every position's rotation at once — which neither a
 paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings
 outside Phi-3 and GLM, an activation other than its family's, an attention soft-cap outside Gemma 2, a
@@ -30,7 +34,7 @@ quantized checkpoint other than gpt-oss's MXFP4 experts) is refused here, by nam
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Phi3ForCausalLM": "phi3",
@@ -42,8 +46,12 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "GptOssForCausalLM": "gpt_oss", "GemmaForCausalLM": "gemma", "GlmForCausalLM": "glm",
                  "Glm4ForCausalLM": "glm4", "OlmoForCausalLM": "olmo", "CohereForCausalLM": "cohere",
                  "Cohere2ForCausalLM": "cohere2", "Glm4MoeForCausalLM": "glm4_moe",
+                 "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                  "GraniteMoeForCausalLM": "granitemoe", "GraniteMoeSharedForCausalLM": "granitemoeshared",
-                 "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe"}  # the Hub's Phi-3.5-MoE spelling
+                 "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe",  # the Hub's Phi-3.5-MoE spelling
+                 "Ernie4_5ForCausalLM": "ernie4_5", "Exaone4ForCausalLM": "exaone4",
+                 "SeedOssForCausalLM": "seed_oss", "ArceeForCausalLM": "arcee",
+                 "Starcoder2ForCausalLM": "starcoder2"}
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
 # sequence exactly as plain RoPE does (its three position axes are equal there).
@@ -56,11 +64,14 @@ GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py's four norms a layer (Gem
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
 GLM = ("glm", "glm4")
 COHERE = ("cohere", "cohere2")  # worker/models/cohere.py
+PAIRWISE_ROPE = (*GLM, *COHERE, "ernie4_5")  # RoPE by adjacent pairs (2i, 2i + 1), not halves
 GRANITES = ("granite", "granitemoe", "granitemoeshared")  # Granite's four scalars, dense and sparse
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # worker/models/deepseek.py: multi-head latent attention
 HALF_ROTARY = (*GLM, "glm4_moe")  # where the config says nothing, half of each head rotates
 PARTIAL_ROTARY = ("phi3", *HALF_ROTARY)  # families whose attention rotates part of each head where the config says
 # families whose transformers model attends the whole sequence whatever sliding_window says
-NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "glm4_moe", "cohere", "granitemoe", "granitemoeshared")
+NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "glm4_moe", "cohere", "granitemoe", "granitemoeshared",
+             "ernie4_5", "seed_oss", "arcee")
 TWO_ROPES = ("gemma3", "olmo3")  # sliding layers rotated by a RoPE of their own
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -73,7 +84,8 @@ class MoeConfig:
     (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) over the router's logits in fp32, the top k experts, their
     weights renormalised to sum to 1 where `norm_topk_prob` (always in Mixtral), cast to the model's
     dtype except in Mixtral; "top_k_softmax" (Granite) a softmax over the top k's logits;
-    "grouped_sigmoid" (GLM-4.5) sigmoid scores, chosen with a correction bias among the best groups;
+    "grouped_sigmoid" (GLM-4.5, DeepSeek-V3) sigmoid scores, chosen with a correction bias among the best
+    groups; "group_limited_softmax" (DeepSeek-V2) a softmax's top k, among the best groups where it has them;
     "sparsemixer" (Phi-3.5-MoE) two picks, each weighted by a softmax over the scores near it."""
 
     num_experts: int
@@ -88,6 +100,24 @@ class MoeConfig:
     groups: tuple[int, int] = (1, 1)  # GLM: (n_group, topk_group), the experts chosen from the best groups
     scaling: float = 1.0  # GLM: routed_scaling_factor, on the chosen experts' weights
     jitter_eps: float = 0.0  # Phi-3.5-MoE: router_jitter_noise, how near the best a score is softmaxed with it
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention (worker/models/deepseek.py): q straight from the hidden
+    state, or through a rank-`q_lora_rank` bottleneck; K and V of every head from one shared latent
+    of kv_lora_rank values (normed), K's heads qk_nope_head_dim wide plus a qk_rope_head_dim rotated
+    part shared by all heads, V's heads v_head_dim wide."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass
@@ -140,6 +170,7 @@ class ModelConfig:
     logit_scale: float | None = None  # Cohere: logits x it
     lm_head_bias: bool = False  # Phi-3.5-MoE: the head has a bias
     fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks (rows, columns), one scale each
+    mla: MlaConfig | None = None  # DeepSeek-V2 and V3: multi-head latent attention in place of q/k/v
 
     def local_rope(self, layer: int) -> bool:
         """Whether a layer rotates by the sliding layers' own RoPE (Gemma 3's and OLMo 3's sliding layers)."""
@@ -177,21 +208,20 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
                                    else (*_rope(raw, arch, max_position_embeddings), None))
     gemma = arch in GEMMA
     _refuse_what_differs(raw, arch, scaling, head_dim)
-    bias = raw.get("attention_bias", False)
-    return ModelConfig(
+    qkv_bias, o_bias, mlp_bias = _biases(raw, arch)
+    cfg = ModelConfig(
         arch=arch, vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"],
         num_layers=raw["num_hidden_layers"], num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=head_dim, rotary_dim=int(head_dim * _partial_rotary(raw, arch)),
         intermediate_size=raw["intermediate_size"],
-        rms_norm_eps=raw.get("layer_norm_eps", 1e-5) if arch in COHERE else raw.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=_norm_eps(raw, arch),
         rope_theta=theta, rope_scaling=scaling,
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
-        tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch in ("gemma", "smollm3", *COHERE)),  # tied
-        qkv_bias=True if arch in QWEN2 else raw.get("attention_bias", arch in GLM),  # GLM's default: biased
-        o_bias=False if arch in (*QWEN2, *GLM, "glm4_moe") else bias,
-        mlp_bias=raw.get("mlp_bias", False),
-        qk_norm="head" if arch in (*QWEN3, "gemma3") or (arch in ("cohere", "glm4_moe") and raw.get("use_qk_norm"))
+        tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch in _TIED),
+        qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
+        qk_norm="head" if arch in (*QWEN3, "gemma3", "exaone4")
+        or (arch in ("cohere", "glm4_moe") and raw.get("use_qk_norm"))
         else "whole" if arch in (*OLMO, "olmoe") else None,
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if gemma else None,
@@ -199,20 +229,45 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         local_rope_theta=local_theta, moe=_moe(raw, arch),
         attn_softcap=raw.get("attn_logit_softcapping") if arch == "gemma2" else None,
         multipliers={name: float(raw.get(name, 1.0)) for name in GRANITE} if arch in GRANITES else None,
-        post_norm=arch in OLMO,
+        post_norm=arch in (*OLMO, "exaone4"),
         # Command R7B rotates in its sliding layers only (its full ones have no position encoding)
         rope_layers=_rope_layers(raw) if arch == "smollm3" else tuple(w is not None for w in windows)
-        if arch == "cohere2" else None,
+        if arch == "cohere2" or (arch == "exaone4" and _window(raw, arch)) else None,
         clip_qkv=raw.get("clip_qkv") if arch in ("olmo", "olmoe") else None,
         query_scaling=_query_scaling(raw) if arch == "ministral3" else None,
         attn_sinks=arch == "gpt_oss",
         swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))) if arch == "gpt_oss"
         else None,
-        rope_interleaved=arch in (*GLM, *COHERE), branch_norms=arch == "glm4",
+        rope_interleaved=arch in PAIRWISE_ROPE, branch_norms=arch == "glm4",
         logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
         lm_head_bias=arch == "phimoe" and bool(raw.get("lm_head_bias", False)),
         fp8_block=_fp8_block(raw.get("quantization_config")),
     )
+    return _latent_attention(raw, cfg) if arch in DEEPSEEK else cfg
+
+
+def _norm_eps(raw: dict, arch: str) -> float:
+    """Every norm's epsilon, as each family's config names it and defaults it."""
+    if arch in COHERE:
+        return raw.get("layer_norm_eps", 1e-5)
+    if arch == "starcoder2":
+        return raw.get("norm_epsilon", 1e-5)
+    return raw.get("rms_norm_eps", 1e-5 if arch in ("ernie4_5", "exaone4", "arcee") else 1e-6)
+
+
+def _biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
+    """Whether q/k/v, o and the MLP's linears have biases, as each family's config names them and
+    defaults them: Qwen2's q/k/v always; GLM's q/k/v unless said, its o never; ERNIE 4.5's all three
+    by one flag (use_bias; StarCoder 2's too, on unless said); Seed-OSS's q/k/v unless said, its o by
+    a flag of its own (attention_out_bias)."""
+    if arch in QWEN2:
+        return True, False, raw.get("mlp_bias", False)
+    if arch in ("ernie4_5", "starcoder2"):
+        return (raw.get("use_bias", arch == "starcoder2"),) * 3
+    if arch == "seed_oss":
+        return raw.get("attention_bias", True), raw.get("attention_out_bias", False), raw.get("mlp_bias", False)
+    qkv = raw.get("attention_bias", arch in GLM)
+    return qkv, bool(qkv) and arch not in (*GLM, "glm4_moe"), raw.get("mlp_bias", False)
 
 
 def _fp8_block(quant) -> tuple[int, int] | None:
@@ -235,6 +290,8 @@ def _moe(raw: dict, arch: str) -> MoeConfig | None:
     every layer; the Qwens' are moe_intermediate_size wide, in every decoder_sparse_step-th layer not in
     mlp_only_layers; GLM-4.5's moe_intermediate_size wide, in the layers from first_k_dense_replace on.
     (gpt-oss's routing, a softmax over the top k's logits, is the renormalised top k of the softmax.)"""
+    if arch in DEEPSEEK:
+        return _deepseek_moe(raw, arch)
     if arch not in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "glm4_moe", "granitemoe",
                     "granitemoeshared", "phimoe"):
         return None
@@ -283,6 +340,64 @@ def _glm4_moe(raw: dict, experts: int, top_k: int) -> MoeConfig:
     return MoeConfig(experts, top_k, width, bool(raw.get("norm_topk_prob", True)), True, shared or None,
                      tuple(i >= first_sparse for i in range(raw["num_hidden_layers"])), routing="grouped_sigmoid",
                      groups=(groups, chosen), scaling=float(raw.get("routed_scaling_factor", 1.0)))
+
+
+def _latent_attention(raw: dict, cfg: ModelConfig) -> ModelConfig:
+    """DeepSeek-V2's and V3's attention as their config classes' defaults fill in what the folder leaves
+    out. The cache holds every head's K and V (num_key_value_heads is not read: the latent expands
+    into every head) at one head size, the wider of K's and V's (the other zero-padded); RoPE turns
+    the rotated part by adjacent pairs (V2 always, V3 where rope_interleave, its default). Refused: a
+    quantized folder (DeepSeek-V3's FP8 release: serve its bf16 conversion), V2's mlp_bias (transformers
+    biases its dense and shared MLPs, not its experts)."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
+        raise ValueError(f"quantization_config ({method}) in config.json: a {cfg.arch} folder is served from "
+                         "unquantized weights; serve its bf16 (or fp16, fp32) conversion")
+    if raw.get("mlp_bias"):
+        raise ValueError(f"mlp_bias {raw['mlp_bias']!r} in config.json is not supported for a {cfg.arch} folder")
+    mla = MlaConfig(raw.get("q_lora_rank", 1536), raw.get("kv_lora_rank", 512), raw.get("qk_nope_head_dim", 128),
+                    raw.get("qk_rope_head_dim", 64), raw.get("v_head_dim", 128))
+    return replace(cfg, mla=mla, head_dim=max(mla.qk_head_dim, mla.v_head_dim), num_kv_heads=cfg.num_heads,
+                   rotary_dim=mla.qk_rope_head_dim,
+                   rope_interleaved=cfg.arch == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
+                   mlp_bias=False, fp8_block=None)
+
+
+def _deepseek_moe(raw: dict, arch: str) -> MoeConfig:
+    """DeepSeek-V3's experts routed as GLM-4.5's (grouped sigmoid, correction bias), V2's by a softmax's
+    top k ("greedy"), or its top k within the best groups, each valued by its best score
+    ("group_limited_greedy"), never renormalised; both x routed_scaling_factor, with shared experts, past
+    first_k_dense_replace dense layers. What transformers' modules do not read (V2's norm_topk_prob, a
+    moe_layer_freq other than 1) is refused, as are groups its routers cannot split."""
+    v3 = arch == "deepseek_v3"
+    experts, top_k = raw.get("n_routed_experts", 256 if v3 else 64), raw.get("num_experts_per_tok", 8 if v3 else None)
+    method = "noaux_tc" if v3 else raw.get("topk_method", "greedy")
+    if not v3 and method not in ("greedy", "group_limited_greedy"):  # V3's is noaux_tc whatever its config says
+        raise ValueError(f"topk_method {method!r} in config.json: a deepseek_v2 folder's router is 'greedy' or "
+                         "'group_limited_greedy'")
+    if not top_k or not 0 < top_k <= experts:
+        raise ValueError(f"a {arch} folder needs n_routed_experts (here {experts}) and 0 < num_experts_per_tok "
+                         f"<= it (here {top_k}) in config.json")
+    for name, served in (("moe_layer_freq", 1), ("norm_topk_prob", None if v3 else False)):
+        if served is not None and raw.get(name, served) != served:
+            raise ValueError(f"{name} {raw[name]!r} in config.json: a {arch} folder is served as transformers "
+                             f"computes it, with {name} {served!r}")
+    groups, chosen = (raw.get("n_group", 8 if v3 else 1), raw.get("topk_group", 4 if v3 else 1)) if method != "greedy" \
+        else (1, 1)
+    smallest = 2 if v3 else 1  # V3 values a group by its two best scores
+    if experts % groups or experts // groups < smallest or not 0 < chosen <= groups \
+            or top_k > chosen * experts // groups:
+        raise ValueError(f"n_group {groups} and topk_group {chosen} in config.json: a {arch} folder's router "
+                         f"needs n_group to divide its {experts} experts into groups of {smallest} or more, and "
+                         f"its {top_k} experts a row within topk_group <= n_group groups")
+    width = raw.get("moe_intermediate_size", 2048 if v3 else 1407)
+    shared = raw.get("n_shared_experts", 1 if v3 else 2) or 0
+    first_sparse = raw.get("first_k_dense_replace", 3 if v3 else 0)
+    return MoeConfig(experts, top_k, width, v3 and bool(raw.get("norm_topk_prob", True)), True, shared * width or None,
+                     tuple(i >= first_sparse for i in range(raw["num_hidden_layers"])),
+                     routing="grouped_sigmoid" if v3 else "group_limited_softmax", groups=(groups, chosen),
+                     scaling=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
 
 
 def _text_part(raw: dict) -> dict:
@@ -348,9 +463,12 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
             raise ValueError(f"{name} {raw[name]!r} in config.json is not supported for a {arch} folder")
 
 
-_ACTIVATION = dict.fromkeys(("gemma", *GEMMA), "gelu_pytorch_tanh")  # every other family: SiLU
+_ACTIVATION = {**dict.fromkeys(("gemma", *GEMMA), "gelu_pytorch_tanh"), "arcee": "relu2",
+               "starcoder2": "gelu_pytorch_tanh"}  # every other: SiLU
 # where a config leaves head_dim out: its class's default (not hidden_size / heads, as elsewhere)
-_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "glm": 128, "glm4": 128}
+_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "glm": 128, "glm4": 128, "ernie4_5": 128, "seed_oss": 128}
+_TIED = ("gemma", *GEMMA, "smollm3", *COHERE, "ernie4_5", "starcoder2")  # head = the embeddings unless said
+_THETA = {"ernie4_5": 500_000.0}  # a family's rope_theta where its config says none (else 10,000)
 
 
 def _activation(raw: dict, arch: str) -> str:
@@ -413,7 +531,7 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     names each layer's kind in `layer_types`; older Qwen configs say `use_sliding_window` (layers
     from `max_window_layers` on slide); Mistral, Mixtral and Phi-3 slide in every layer when they
     have one."""
-    window, layers = raw.get("sliding_window", 4096 if arch in ("olmo3", "cohere2") else None), raw["num_hidden_layers"]
+    window, layers = _window(raw, arch), raw["num_hidden_layers"]
     if not window or arch in NO_WINDOW:
         return [None] * layers
     if arch == "smollm3":  # sliding where layer_types says, only if use_sliding_window; by default its NoPE layers
@@ -434,10 +552,15 @@ def _layer_windows(raw: dict, arch: str) -> list[int | None]:
     if arch in ("qwen2", "qwen3"):
         first = raw.get("max_window_layers", 28) if raw.get("use_sliding_window", False) else layers
         return [window if i >= first else None for i in range(layers)]
-    if arch in (*GEMMA, "cohere2"):  # before layer_types: every sliding_window_pattern-th layer is a full one
+    if arch in (*GEMMA, "cohere2", "exaone4"):  # before layer_types: every sliding_window_pattern-th layer is full
         pattern = raw.get("sliding_window_pattern", {"gemma3": 6, "gemma2": 2}.get(arch, 4))
         return [window if (i + 1) % pattern else None for i in range(layers)]
     return [window] * layers
+
+
+def _window(raw: dict, arch: str) -> int | None:
+    """The config's sliding window, or its class's default: OLMo 3's, Command R7B's and EXAONE 4's 4,096."""
+    return raw.get("sliding_window", 4096 if arch in ("olmo3", "cohere2", "exaone4") else None)
 
 
 def _rope(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, dict | None]:
@@ -446,7 +569,7 @@ def _rope(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, di
     field first), YaRN's and LongRoPE's missing `factor` as the ratio of the two contexts."""
     params = raw.get("rope_parameters") or {}
     scaling = raw.get("rope_scaling") or params
-    theta = raw.get("rope_theta", params.get("rope_theta", 10000.0))
+    theta = raw.get("rope_theta", params.get("rope_theta", _THETA.get(arch, 10000.0)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if arch == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names for LongRoPE
         rope_type = "longrope"

@@ -123,7 +123,11 @@ def _config(arch: str, **kw):
            "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config, "olmo": transformers.OlmoConfig,
            "cohere": transformers.CohereConfig, "cohere2": transformers.Cohere2Config,
            "glm4_moe": transformers.Glm4MoeConfig, "granitemoe": transformers.GraniteMoeConfig,
-           "granitemoeshared": transformers.GraniteMoeSharedConfig, "phimoe": transformers.PhimoeConfig}[arch]
+           "granitemoeshared": transformers.GraniteMoeSharedConfig, "phimoe": transformers.PhimoeConfig,
+           "ernie4_5": transformers.Ernie4_5Config, "deepseek_v2": transformers.DeepseekV2Config,
+           "deepseek_v3": transformers.DeepseekV3Config, "exaone4": transformers.Exaone4Config,
+           "seed_oss": transformers.SeedOssConfig, "arcee": transformers.ArceeConfig,
+           "starcoder2": transformers.Starcoder2Config}[arch]
     return cls(**kw)
 
 
@@ -175,7 +179,7 @@ def build_model_dir(
         for name, p in model.named_parameters():
             if p.dim() >= 2:  # Cohere's per-head q/k norms: around 1, as built, but each head its own
                 p.normal_(1.0, 0.3) if "_norm." in name else p.normal_(0.0, 0.08)
-        for name, b in model.named_buffers():  # GLM-4.5's router bias, built as zeros: drawn, so choosing sees it
+        for name, b in model.named_buffers():  # GLM-4.5's, DeepSeek-V3's router bias, built as zeros: drawn
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)

@@ -295,13 +295,14 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     norm_class: type[nn.Module] = RMSNorm  # the norms before the branches (OLMo 1's: a LayerNorm)
+    attention_class: type[nn.Module] = Attention  # DeepSeek's: multi-head latent attention (deepseek.py)
 
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
         self.local_rope = cfg.local_rope(index)
         self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index],
-                                   cfg.rope_layers is None or cfg.rope_layers[index])
+        self.self_attn = self.attention_class(cfg, backend, shard, cfg.layer_windows[index],
+                                              cfg.rope_layers is None or cfg.rope_layers[index])
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
         self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)

@@ -195,8 +195,9 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                attention, shard: Shard = SINGLE):
     """Build on the meta device (no init cost), materialise on `device`, then fill from safetensors
     (under tensor parallelism: this rank's slices only); GLM's and Cohere's q and k rows then
-    reordered for our rotary layout (llama.py's rotate_pairs_as_halves). A checkpoint's tensors no
-    parameter asks for (GLM-4.5's MTP layers past num_hidden_layers) are never read."""
+    reordered for our rotary layout (llama.py's rotate_pairs_as_halves; DeepSeek's rotated rows too). A
+    checkpoint's tensors no parameter asks for (GLM-4.5's and DeepSeek-V3's MTP layers past num_hidden_layers)
+    are never read."""
     if cfg.arch in ("gemma", "gemma2", "gemma3"):
         from worker.models.gemma import GemmaCausalLM as model_class
     elif cfg.arch == "gpt_oss":
@@ -207,6 +208,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         from worker.models.cohere import CohereCausalLM as model_class
     elif cfg.arch == "phimoe":
         from worker.models.phimoe import PhimoeCausalLM as model_class
+    elif cfg.mla is not None:
+        from worker.models.deepseek import DeepseekCausalLM as model_class
+    elif cfg.arch == "starcoder2":
+        from worker.models.starcoder2 import Starcoder2CausalLM as model_class
+    elif cfg.arch == "arcee":
+        from worker.models.arcee import ArceeCausalLM as model_class
+    elif cfg.arch == "exaone4":
+        from worker.models.olmo import Exaone4CausalLM as model_class
     elif cfg.post_norm:
         from worker.models.olmo import OlmoCausalLM as model_class
     else:

@@ -1,13 +1,13 @@
 """A sparse mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5,
-Granite 3 MoE, Phi-3.5-MoE), computed as transformers computes it, so fp32 greedy outputs match it
-token for token:
+Granite 3 MoE, Phi-3.5-MoE, DeepSeek-V2 and V3), computed as transformers computes it, so fp32 greedy
+outputs match it token for token:
 
 - the router (`gate`, a bias-free linear) scores every expert and picks each row's experts and their
   weights, each family by its own rule (`MoeConfig.routing`; one router class each, below);
 - each expert is an MLP (SiLU(gate) x up, down) run on the rows routed to it, its output scaled by
   the row's weight for it and added into the result, experts in ascending order (the order of
   transformers' `index_add_`, so each row's sum is the same sum);
-- Qwen2-MoE, GLM-4.5 and Granite's Shared variant add a shared expert every row goes through, Qwen2-MoE's
+- Qwen2-MoE, GLM-4.5, DeepSeek and Granite's Shared variant add a shared expert every row goes through, Qwen2-MoE's
   gated by sigmoid(shared_expert_gate(x)).
 
 Under tensor parallelism every rank routes the same rows (the router is whole on each) and holds a
@@ -42,10 +42,10 @@ def mixtral_name(name: str) -> str:
 
 def checkpoint_piece(piece: Piece, cfg: ModelConfig) -> Piece:
     """Where a family's checkpoint keeps a piece of kvgate's MoE layer: Mixtral's and Phi-3.5-MoE's
-    block_sparse_moe names, GLM-4.5's `shared_experts`, Granite's experts stored as one tensor."""
+    block_sparse_moe names, GLM-4.5's and DeepSeek's `shared_experts`, Granite's experts stored as one tensor."""
     if cfg.arch in ("mixtral", "phimoe"):
         return replace(piece, name=mixtral_name(piece.name))
-    if cfg.arch == "glm4_moe":
+    if cfg.arch in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
         return replace(piece, name=piece.name.replace(".mlp.shared_expert.", ".mlp.shared_experts."))
     if cfg.arch in ("granitemoe", "granitemoeshared"):
         return _granite_piece(piece, cfg)
@@ -109,7 +109,7 @@ class TopKSoftmaxRouter(Router):
 
 
 class GroupedSigmoidRouter(Router):
-    """GLM-4.5's (DeepSeek-V3's rule), in fp32 (its weight and bias kept in fp32 whatever the model's
+    """GLM-4.5's and DeepSeek-V3's, in fp32 (its weight and bias kept in fp32 whatever the model's
     dtype, as transformers keeps them): each expert scored sigmoid(logit); the experts split into
     `groups` groups, each valued by its two best, the top k chosen from the best `chosen_groups`
     only — all by the scores plus `e_score_correction_bias`, which takes part in the choosing alone.
@@ -136,6 +136,29 @@ class GroupedSigmoidRouter(Router):
         return weights * self.scaling, chosen
 
 
+class GroupLimitedSoftmaxRouter(Router):
+    """DeepSeek-V2's, in fp32 (its weight kept in fp32 whatever the model's dtype, as transformers keeps
+    it): a softmax over every logit, the top k (topk_method "greedy": one group) or the top k of the best
+    `chosen_groups` of `groups` groups, each valued by its best score ("group_limited_greedy"); their
+    weights the scores as they are (not renormalised) x routed_scaling_factor."""
+
+    keeps_fp32 = True
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        (self.groups, self.chosen_groups), self.scaling = cfg.moe.groups, cfg.moe.scaling
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = torch.softmax(self(x.float()), dim=-1)
+        if self.groups > 1:  # the other groups' scores zeroed, as transformers masks them
+            by_group = scores.view(-1, self.groups, scores.shape[-1] // self.groups)
+            best_groups = by_group.amax(dim=-1).topk(self.chosen_groups, dim=-1, sorted=False)[1]
+            kept = torch.zeros_like(by_group[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            scores = by_group.masked_fill(~kept.unsqueeze(-1), 0.0).flatten(1)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1, sorted=False)
+        return weights * self.scaling, chosen
+
+
 class SparseMixerRouter(Router):
     """Phi-3.5-MoE's sparsemixer as it routes in inference (transformers' eval mode), in the model's
     dtype: two picks, the best score and then the best of the rest, each weighted by its softmax
@@ -159,7 +182,7 @@ class SparseMixerRouter(Router):
 
 
 ROUTERS = {"softmax": SoftmaxRouter, "top_k_softmax": TopKSoftmaxRouter, "grouped_sigmoid": GroupedSigmoidRouter,
-           "sparsemixer": SparseMixerRouter}
+           "sparsemixer": SparseMixerRouter, "group_limited_softmax": GroupLimitedSoftmaxRouter}
 
 
 class SparseMoE(nn.Module):

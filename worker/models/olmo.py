@@ -8,7 +8,9 @@ paged cache, with what OLMo does differently, each as transformers computes it:
   (the full ones on the config's, YaRN in the long-context releases).
 
 OLMo 1 (OlmoForCausalLM) is Llama's layer with LayerNorms that have no weight, q, k and v clipped
-where the config says.
+where the config says. EXAONE 4 (Exaone4ForCausalLM) is OLMo 2's layer with Llama's norms (cast, then
+multiplied by the weight), q and k normed per head, and, where the config has a window, three sliding
+layers to one full, only the sliding ones rotated (the full ones have no position encoding).
 
 On CPU in fp32 the native kernels do the attention's work (GEMMs, the whole-width q/k norms, rope,
 decode attention) and SiLU x up; the norms around the branches stay torch's (the fused residual
@@ -31,13 +33,16 @@ class OlmoRMSNorm(RMSNorm):
 
 
 class OlmoDecoderLayer(nn.Module):
+    norm_class: type[nn.Module] = OlmoRMSNorm  # every norm's, q's and k's too (EXAONE 4's: Llama's)
+
     def __init__(self, cfg: ModelConfig, backend, shard: Shard, index: int):
         super().__init__()
         self.local_rope = cfg.local_rope(index)
-        self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index], norm=OlmoRMSNorm)
+        rope = cfg.rope_layers is None or cfg.rope_layers[index]  # EXAONE 4's full layers: unrotated
+        self.self_attn = Attention(cfg, backend, shard, cfg.layer_windows[index], rope, norm=self.norm_class)
         self.mlp = MLP(cfg, shard)
-        self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, rope, kv_cache, meta):
         h = h + self.post_attention_layernorm(self.self_attn(h, rope, kv_cache, meta))
@@ -57,6 +62,14 @@ class OlmoCausalLM(CausalLM):
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             h = layer.forward_fused(h, positions, tables[layer.local_rope], kv_cache, meta, self.cpu_kernels)
         return self.model.norm(h)
+
+
+class Exaone4DecoderLayer(OlmoDecoderLayer):
+    norm_class = RMSNorm
+
+
+class Exaone4CausalLM(OlmoCausalLM):
+    layer_class, norm_class = Exaone4DecoderLayer, RMSNorm
 
 
 class OlmoLayerNorm(nn.Module):

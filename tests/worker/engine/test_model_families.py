@@ -1,7 +1,8 @@
 """Model folders beyond Llama and Qwen: Mistral and Qwen2 with a sliding attention window (masked by
 every attention backend), Gemma 1, 2 and 3 (text), Phi-3 (q/k/v and gate/up fused in the checkpoint;
 LongRoPE served up to its original context), GLM (RoPE by adjacent pairs), OLMo 1 to 3, Command R
-and R7B, and YaRN context extension (Qwen2.5's and Qwen3's long-context configs) are token-exact with
+and R7B, ERNIE 4.5, EXAONE 4, Seed-OSS, AFM, StarCoder 2, and YaRN context extension (Qwen2.5's and
+Qwen3's long-context configs) are token-exact with
 transformers' greedy; what the module cannot compute exactly is refused when the folder is read, by name."""
 import json
 import logging
@@ -50,10 +51,11 @@ def exact_on_cpu_paths(folder, prompts: list[list[int]], expected: list[list[int
     return llm
 
 
-def with_norms_drawn(folder, seed: int, mean: float = 0.0):
+def with_norms_drawn(folder, seed: int, mean: float = 0.0, bias_std: float = 0.3):
     """The folder saved again with its norm weights drawn around `mean` (not all 0, nor all 1), so
     Gemma's (1 + w) and the weights of norms transformers builds as ones are tested (Cohere's per-head
-    q/k norms, [heads, head_dim], too); its biases (transformers' zeros) around 0."""
+    q/k norms, [heads, head_dim], too); its biases (transformers' zeros) around 0, `bias_std` apart
+    (small where every linear has one: summed over the layers they would drown out the prompt)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
@@ -61,7 +63,7 @@ def with_norms_drawn(folder, seed: int, mean: float = 0.0):
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() == 1 or "_norm." in name:
-                param.normal_(0.0 if name.endswith(".bias") else mean, 0.3)
+                param.normal_(0.0, bias_std) if name.endswith(".bias") else param.normal_(mean, 0.3)
     model.save_pretrained(folder)
     return folder
 
@@ -218,12 +220,16 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
      "partial_rotary_factor 0.75 .*mistral folder's attention rotates all"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
     (dict(quantization_config=dict(quant_method="awq", bits=4)), r"quantization_config \(awq\)"),
-    (dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3"),
-     "unsupported architecture.*DeepseekV3ForCausalLM"),
+    (dict(architectures=["Llama4ForCausalLM"], model_type="llama4_text"),
+     "unsupported architecture.*Llama4ForCausalLM"),
     (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 in config.json is not supported for a mistral"),
     (dict(architectures=["GlmForCausalLM"], model_type="glm", rope_parameters=dict(  # 5 of 16 values: an odd number
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3125)),
      "partial_rotary_factor 0.3125 in config.json: supported for Phi-3 and GLM folders rotating an even number"),
+    (dict(architectures=["ArceeForCausalLM"], model_type="arcee", hidden_act="silu"),
+     "hidden_act 'silu' in config.json: a arcee folder's MLP is 'relu2'"),
+    (dict(architectures=["Starcoder2ForCausalLM"], model_type="starcoder2", hidden_act="gelu"),
+     "hidden_act 'gelu' in config.json: a starcoder2 folder's MLP is 'gelu_pytorch_tanh'"),
 ])
 def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
     folder = rewritten(build_tiny("mistral", "mistral", config_extra=dict(sliding_window=None)),
@@ -534,6 +540,76 @@ def test_cohere_matches_transformers(name, tmp_path, build_tiny, random_prompts,
     prompts = random_prompts(4, 20, 90, seed=53)
     expected = hf_greedy(folder, prompts, 16)
     assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+DENSE = {  # name: (arch, build_tiny's fields, what the config reads as); hidden 64, 4 heads of 16, 4 layers
+    "ernie4_5-biased": ("ernie4_5", dict(head_dim=16, config_extra=dict(use_bias=True)),
+                        dict(rope_interleaved=True, rotary_dim=16, qkv_bias=True, o_bias=True, mlp_bias=True,
+                             layer_windows=(None,) * 4)),
+    "exaone4-hybrid": ("exaone4", dict(config_extra=dict(sliding_window=24, sliding_window_pattern=4)),
+                       dict(post_norm=True, qk_norm="head", layer_windows=(24, 24, 24, None),
+                            rope_layers=(True, True, True, False))),
+    "seed-oss-o-biased-alone": ("seed_oss", dict(head_dim=16, config_extra=dict(
+        attention_bias=False, attention_out_bias=True, mlp_bias=True)),
+                                dict(qkv_bias=False, o_bias=True, mlp_bias=True)),
+    "arcee-relu2-yarn": ("arcee", dict(rope_scaling=YARN, config_extra=dict(attention_bias=True, mlp_bias=True)),
+                         dict(qkv_bias=True, o_bias=True, mlp_bias=True, layer_windows=(None,) * 4)),
+    "starcoder2-window": ("starcoder2", dict(config_extra=dict(sliding_window=24, norm_epsilon=0.001)),
+                          dict(qkv_bias=True, o_bias=True, mlp_bias=True, layer_windows=(24,) * 4,
+                               rms_norm_eps=0.001)),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_a_dense_family_matches_transformers(name, build_tiny, random_prompts, hf_greedy):
+    """ERNIE 4.5 (RoPE by adjacent pairs over the whole head, every linear biased by use_bias); EXAONE 4
+    (OLMo 2's norms after each branch, none before, q/k normed per head, three sliding layers to one
+    full, only the sliding ones rotated); Seed-OSS (o's bias by attention_out_bias, apart from q/k/v's);
+    AFM (a non-gated MLP: up, ReLU², down; YaRN); StarCoder 2 (biased LayerNorms, a non-gated GELU-tanh
+    MLP, every linear biased, a window in every layer): greedy on both CPU paths, past the windows,
+    chunked and from the prefix cache, and the top-5 logprobs; norm weights drawn around 1 and biases
+    around 0 (narrowly: summed over the layers, wide ones drown out the prompt), so that each is read
+    where it belongs."""
+    arch, build, reads = DENSE[name]
+    folder = with_norms_drawn(build_tiny(name, arch, num_layers=4, **build), seed=59, mean=1.0, bias_std=0.05)
+    cfg = read_model_config(folder)
+    assert {field: getattr(cfg, field) for field in reads} == reads
+    prompts = random_prompts(4, 20, 90, seed=61)
+    expected = hf_greedy(folder, prompts, 16)
+    assert_top5_logprobs_match(exact_on_cpu_paths(folder, prompts, expected), folder, prompts[0])
+
+
+UNSAID = ("head_dim", "rope_parameters", "tie_word_embeddings", "use_bias", "attention_bias", "attention_out_bias",
+          "mlp_bias", "sliding_window", "sliding_window_pattern", "layer_types", "norm_epsilon", "rms_norm_eps")
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_a_dense_familys_unsaid_fields_read_as_transformers_fills_them_in(name, tmp_path, build_tiny):
+    """A Hub config leaving out what its class defaults (head_dim, RoPE base, tying, biases, epsilon,
+    EXAONE 4's window and its pattern) reads as transformers builds the model: its config's values and
+    which of its linears have biases."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    arch, build, _ = DENSE[name]
+    folder = rewritten(build_tiny(name, arch, num_layers=4, **build), tmp_path / "unsaid", **dict.fromkeys(UNSAID))
+    cfg, theirs = read_model_config(folder), AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        layer = AutoModelForCausalLM.from_config(theirs).model.layers[0]
+    mlp_down = getattr(layer.mlp, "down_proj", None) or layer.mlp.c_proj
+    assert (cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) == tuple(
+        m.bias is not None for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, mlp_down))
+    assert (cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == (
+        layer.self_attn.head_dim, theirs.rope_parameters["rope_theta"], theirs.tie_word_embeddings)
+    assert cfg.rms_norm_eps == (getattr(theirs, "norm_epsilon", None) or theirs.rms_norm_eps)
+    if arch == "exaone4":
+        windows = tuple(theirs.sliding_window if kind == "sliding_attention" else None for kind in theirs.layer_types)
+        assert cfg.layer_windows == windows == (4096, 4096, 4096, None)
+        assert cfg.rope_layers == (True, True, True, False)
+        one_kind = rewritten(folder, tmp_path / "global")  # a null window: every layer full, and rotated
+        raw = json.loads((one_kind / "config.json").read_text())
+        (one_kind / "config.json").write_text(json.dumps({**raw, "sliding_window": None}))
+        global_cfg = read_model_config(one_kind)
+        assert (global_cfg.layer_windows, global_cfg.rope_layers) == ((None,) * 4, None)
 
 
 def test_smollm3_matches_transformers(build_tiny, random_prompts, hf_greedy):

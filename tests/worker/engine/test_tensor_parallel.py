@@ -5,7 +5,8 @@ layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert
 (q and k normed across heads the ranks split), gpt-oss (sinks split with their heads, experts stored
 fused), GLM-4-0414 (RoPE on half of each head, by adjacent pairs), Command R+ (q and k LayerNormed per
 head, each head its own weights), GLM-4.5 (a grouped sigmoid router, shared experts), Granite 3 MoE
-(experts stored as one tensor, a shared MLP) and Phi-3.5-MoE (sparsemixer, a biased head), with the
+(experts stored as one tensor, a shared MLP), Phi-3.5-MoE (sparsemixer, a biased head) and DeepSeek-V3 and
+V2 (latent attention: its latent projections whole on each rank, q, kv_b and o split by heads), with the
 prefix cache, preemption and seeded sampling as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +59,19 @@ MODELS = {  # name: (arch, overrides)
     # the head's bias split with its vocabulary rows (an odd vocabulary: a padding row), LayerNorms whole
     "phimoe-sparsemixer-head-bias": ("phimoe", dict(num_kv_heads=2, vocab_size=2047, config_extra=dict(
         num_local_experts=4, intermediate_size=32, attention_bias=True, lm_head_bias=True, router_jitter_noise=0.3))),
+    # the latent's projections and norms whole on each rank, q_b_proj / kv_b_proj rows and o_proj columns
+    # by heads, each rank's q and k_pe rows reordered for the pairwise RoPE; K 24 wide and V 16 in the cache
+    "deepseek-v3-latent-attention-grouped-router": ("deepseek_v3", dict(num_kv_heads=4, config_extra=dict(
+        kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=3, n_group=4, topk_group=2, moe_intermediate_size=32, first_k_dense_replace=1))),
+    # q_proj split by heads, V wider than K (q and k padded), the group-limited softmax router
+    "deepseek-v2-q-proj-wide-v": ("deepseek_v2", dict(num_kv_heads=4, config_extra=dict(
+        kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32, n_routed_experts=8,
+        num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4, topk_group=2, moe_intermediate_size=32,
+        n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True))),
 }
-DRAWN = {"phimoe-sparsemixer-head-bias"}  # norms drawn around 1, biases around 0 (transformers builds 1 and 0)
+# norms drawn around 1, biases around 0 (transformers builds 1 and 0)
+DRAWN = {"phimoe-sparsemixer-head-bias", "deepseek-v3-latent-attention-grouped-router", "deepseek-v2-q-proj-wide-v"}
 
 
 @dataclass
