@@ -26,11 +26,12 @@ one full where it has a window, the full ones unrotated); Seed-OSS Llama's with 
 q/k/v's (attention_out_bias); AFM worker/models/arcee.py's (a non-gated ReLU² MLP); StarCoder 2
 worker/models/starcoder2.py's (biased LayerNorms, a non-gated GELU-tanh MLP, every linear biased).
 One thing caps the context served below the model's (`ModelConfig.context_cap`), where the model
-computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE), whose short factors hold up to the original context
-and whose long ones, past it, would change every position's rotation at once — which neither a
-paged cache nor a prefix cache can follow. What the module cannot compute (partial rotary embeddings
-outside Phi-3 and GLM, an activation other than its family's, an attention soft-cap outside Gemma 2, a
-quantized checkpoint other than gpt-oss's MXFP4 experts) is refused here, by name."""
+computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE),
+whose short factors hold up to the original context and whose long ones, past it, would change every
+position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the
+module cannot compute (partial rotary embeddings outside Phi-3 and GLM, an activation other than its
+family's, an attention soft-cap outside Gemma 2, a quantized checkpoint other than block-scaled FP8
+weights and gpt-oss's MXFP4 experts) is refused here, by name."""
 from __future__ import annotations
 
 import json
