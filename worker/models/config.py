@@ -347,14 +347,9 @@ def _latent_attention(raw: dict, cfg: ModelConfig) -> ModelConfig:
     """DeepSeek-V2's and V3's attention as their config classes' defaults fill in what the folder leaves
     out. The cache holds every head's K and V (num_key_value_heads is not read: the latent expands
     into every head) at one head size, the wider of K's and V's (the other zero-padded); RoPE turns
-    the rotated part by adjacent pairs (V2 always, V3 where rope_interleave, its default). Refused: a
-    quantized folder (DeepSeek-V3's FP8 release: serve its bf16 conversion), V2's mlp_bias (transformers
-    biases its dense and shared MLPs, not its experts)."""
-    quant = raw.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed"
-        raise ValueError(f"quantization_config ({method}) in config.json: a {cfg.arch} folder is served from "
-                         "unquantized weights; serve its bf16 (or fp16, fp32) conversion")
+    the rotated part by adjacent pairs (V2 always, V3 where rope_interleave, its default). DeepSeek-V3's
+    FP8 release is read as every block-scaled FP8 folder is (dequantized as it loads). Refused: V2's
+    mlp_bias (transformers biases its dense and shared MLPs, not its experts)."""
     if raw.get("mlp_bias"):
         raise ValueError(f"mlp_bias {raw['mlp_bias']!r} in config.json is not supported for a {cfg.arch} folder")
     mla = MlaConfig(raw.get("q_lora_rank", 1536), raw.get("kv_lora_rank", 512), raw.get("qk_nope_head_dim", 128),
@@ -362,7 +357,7 @@ def _latent_attention(raw: dict, cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, mla=mla, head_dim=max(mla.qk_head_dim, mla.v_head_dim), num_kv_heads=cfg.num_heads,
                    rotary_dim=mla.qk_rope_head_dim,
                    rope_interleaved=cfg.arch == "deepseek_v2" or bool(raw.get("rope_interleave", True)),
-                   mlp_bias=False, fp8_block=None)
+                   mlp_bias=False)
 
 
 def _deepseek_moe(raw: dict, arch: str) -> MoeConfig:

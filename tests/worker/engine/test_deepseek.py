@@ -114,8 +114,7 @@ def test_deepseek_configs_read_as_transformers_builds_them(tmp_path, build_tiny)
 
 
 @pytest.mark.parametrize("name,changes,message", [
-    ("v3-q-lora-yarn", dict(quantization_config=dict(quant_method="fp8", fmt="e4m3", weight_block_size=[128, 128])),
-     r"quantization_config \(fp8\) in config.json: a deepseek_v3 folder is served from unquantized weights"),
+    # (V3's FP8 release is read as every block-scaled FP8 folder: test_fp8_checkpoint.py)
     ("v2-greedy-wide-v", dict(mlp_bias=True), "mlp_bias True in config.json is not supported for a deepseek_v2"),
     ("v3-q-lora-yarn", dict(n_group=3), "n_group 3 and topk_group 2 in config.json: a deepseek_v3 folder's router"),
     ("v3-q-lora-yarn", dict(n_group=8, topk_group=1), "n_group 8 .*groups of 2 or more"),

@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.worker.engine.test_deepseek import deepseek_dir
 from tests.worker.engine.test_model_families import GREEDY, exact_on_cpu_paths, tokens
 from worker.engine.llm import LLM
 from worker.engine.types import SamplingParams
@@ -20,7 +21,10 @@ from worker.models.loader import _read_dequantized, weight_files
 from worker.models.parallel import Piece
 
 torch.set_num_threads(1)
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# the linears FP8 releases quantize (DeepSeek-V3's latent projections too); routers, norms, embeddings
+# and heads stay as they were
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "q_a_proj", "q_b_proj",
+             "kv_a_proj_with_mqa", "kv_b_proj")
 BLOCK = (16, 24)  # neither divides every weight: the last blocks of a row or column are partial
 E4M3_MAX = 448.0
 
@@ -39,11 +43,14 @@ def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / _blocks(scale, w.shape)).to(torch.float8_e4m3fn), scale
 
 
-@pytest.fixture(scope="module")
-def folders(build_tiny, tmp_path_factory):
+@pytest.fixture(scope="module", params=["qwen3", "deepseek-v3"])
+def folders(request, build_tiny, tmp_path_factory):
     """(fp8 folder, reference folder, source folder): a Qwen3 (q/k norms) with an MLP 80 wide, so blocks
-    of 24 split it."""
-    source = build_tiny("fp8-source", "qwen3", intermediate_size=80, head_dim=16)
+    of 24 split it, or a DeepSeek-V3 (latent attention, its latent 40 rows wide; experts)."""
+    if request.param == "qwen3":
+        source = build_tiny("fp8-source", "qwen3", intermediate_size=80, head_dim=16)
+    else:
+        source = deepseek_dir("v3-q-lora-yarn", build_tiny)
     fp8, ref = tmp_path_factory.mktemp("fp8"), tmp_path_factory.mktemp("fp8-reference")
     for target in (fp8, ref):
         shutil.copytree(source, target, dirs_exist_ok=True)
@@ -54,7 +61,7 @@ def folders(build_tiny, tmp_path_factory):
             q, scale = _quantize(w.float())
             quantized[name], quantized[f"{name}_scale_inv"] = q, scale
             dequantized[name] = (q.float() * _blocks(scale, w.shape)).to(w.dtype)
-    assert sum(t.dtype == torch.float8_e4m3fn for t in quantized.values()) == 2 * 7
+    assert sum(t.dtype == torch.float8_e4m3fn for t in quantized.values()) >= 2 * 7
     save_file(quantized, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
     save_file(dequantized, str(ref / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((fp8 / "config.json").read_text())
@@ -96,7 +103,7 @@ def test_a_slice_of_an_fp8_weight_is_the_slice_of_the_dequantized_weight(folders
     fp8, ref, _ = folders
     files = weight_files(fp8)
     handles = {f: safe_open(str(f), "pt") for f in set(files.values())}
-    name = "model.layers.1.mlp.gate_proj.weight" if dim == 0 else "model.layers.1.mlp.down_proj.weight"
+    name = "model.layers.0.mlp.gate_proj.weight" if dim == 0 else "model.layers.0.mlp.down_proj.weight"
     whole = load_file(str(ref / "model.safetensors"))[name].float()
     got = _read_dequantized(handles, files, Piece(name, dim, start, stop), BLOCK)
     assert torch.equal(got, whole.narrow(dim, start, stop - start))
