@@ -30,8 +30,8 @@ computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k var
 whose short factors hold up to the original context and whose long ones, past it, would change every
 position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the
 module cannot compute (partial rotary embeddings outside Phi-3 and GLM, an activation other than its
-family's, an attention soft-cap outside Gemma 2, a quantized checkpoint other than block-scaled FP8
-weights and gpt-oss's MXFP4 experts) is refused here, by name."""
+family's, an attention soft-cap outside Gemma 2, a quantized checkpoint other than FP8 weights and
+gpt-oss's MXFP4 experts) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -121,6 +121,16 @@ class MlaConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+@dataclass(frozen=True)
+class Fp8Scales:
+    """How an FP8 checkpoint scales its weights: each weight's scale is the tensor `<weight><suffix>`,
+    one number a block of `block` (rows, columns); with no block, the scale's own shape says — one
+    number for the tensor, or one an output row."""
+
+    suffix: str
+    block: tuple[int, int] | None
+
+
 @dataclass
 class ModelConfig:
     arch: str  # one of ARCHITECTURES' values
@@ -170,7 +180,7 @@ class ModelConfig:
     branch_norms: bool = False  # GLM-4-0414: each branch's output RMS-normed too, before its residual add
     logit_scale: float | None = None  # Cohere: logits x it
     lm_head_bias: bool = False  # Phi-3.5-MoE: the head has a bias
-    fp8_block: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks (rows, columns), one scale each
+    fp8: Fp8Scales | None = None  # how an FP8 checkpoint's weights are scaled (dequantized as they load)
     mla: MlaConfig | None = None  # DeepSeek-V2 and V3: multi-head latent attention in place of q/k/v
 
     def local_rope(self, layer: int) -> bool:
@@ -242,7 +252,7 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         rope_interleaved=arch in PAIRWISE_ROPE, branch_norms=arch == "glm4",
         logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
         lm_head_bias=arch == "phimoe" and bool(raw.get("lm_head_bias", False)),
-        fp8_block=_fp8_block(raw.get("quantization_config")),
+        fp8=_fp8(raw.get("quantization_config")),
     )
     return _latent_attention(raw, cfg) if arch in DEEPSEEK else cfg
 
@@ -271,18 +281,44 @@ def _biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
     return qkv, bool(qkv) and arch not in (*GLM, "glm4_moe"), raw.get("mlp_bias", False)
 
 
-def _fp8_block(quant) -> tuple[int, int] | None:
-    """Block-scaled FP8 (`quant_method` "fp8", as Qwen3-*-FP8 and DeepSeek-V3 are saved): each weight
-    in float8 e4m3 with `<weight>_scale_inv`, one scale per `weight_block_size` block; the loader
-    dequantizes them to the serving dtype (what transformers' `dequantize=True` computes)."""
-    if not isinstance(quant, dict) or quant.get("quant_method") != "fp8":
+FP8_METHODS = ("fp8", "compressed-tensors", "fbgemm_fp8")
+
+
+def _fp8(quant) -> Fp8Scales | None:
+    """FP8 weights, read as transformers reads each format (then dequantized to the serving dtype, what
+    its `dequantize=True` computes): "fp8" (Qwen3-*-FP8, DeepSeek-V3) float8 e4m3 weights with
+    `<weight>_scale_inv`, one scale per `weight_block_size` block; "compressed-tensors" in its
+    "float-quantized" format (llm-compressor's FP8, FP8-dynamic) with `<weight>_scale` per tensor, per
+    output channel or per block (`block_structure`); "fbgemm_fp8" (Meta's Llama 3.1 405B FP8) per
+    output channel. The activations are not quantized: they stay in the serving dtype."""
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method not in FP8_METHODS:
         return None
-    block, fmt = quant.get("weight_block_size"), quant.get("fmt", "e4m3")
+    if method == "fbgemm_fp8":
+        return Fp8Scales("_scale", None)
+    if method == "fp8":
+        block, fmt = quant.get("weight_block_size"), quant.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"quantization_config fp8 with fmt {fmt!r}: only e4m3 weights are read")
+        return Fp8Scales("_scale_inv", _block(block, "quantization_config fp8 needs weight_block_size"))
+    if quant.get("format") != "float-quantized":
+        raise ValueError(f"quantization_config compressed-tensors in format {quant.get('format')!r}: only "
+                         "\"float-quantized\" (FP8 weights) is read")
+    weights = [group.get("weights") or {} for group in (quant.get("config_groups") or {}).values()]
+    if not weights or any((w.get("type"), w.get("num_bits")) != ("float", 8) for w in weights):
+        raise ValueError("quantization_config compressed-tensors: every config group's weights must be 8-bit "
+                         f"floats (here {[(w.get('type'), w.get('num_bits')) for w in weights]})")
+    blocks = {tuple(w.get("block_structure") or ()) for w in weights if w.get("strategy") == "block"}
+    if len(blocks) > 1 or any(w.get("strategy") not in ("tensor", "channel", "block") for w in weights):
+        raise ValueError("quantization_config compressed-tensors: weights scaled per tensor, per channel or in "
+                         f"one block shape are read (here {[w.get('strategy') for w in weights]}, blocks {blocks})")
+    block = _block(list(blocks.pop()), "compressed-tensors' block_structure") if blocks else None
+    return Fp8Scales("_scale", block)
+
+
+def _block(block, what: str) -> tuple[int, int]:
     if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 0 < b <= 1 << 16 for b in block)):
-        raise ValueError(f"quantization_config fp8 needs weight_block_size [rows, columns] (here {block!r}): "
-                         "per-tensor or per-channel FP8 checkpoints are not supported")
-    if fmt != "e4m3":
-        raise ValueError(f"quantization_config fp8 with fmt {fmt!r}: only e4m3 weights are read")
+        raise ValueError(f"{what} [rows, columns] (here {block!r})")
     return block[0], block[1]
 
 
@@ -445,11 +481,11 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
                                  "numbers")
     quant = raw.get("quantization_config")
     method = (quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed") if quant else None
-    # dequantized as they load: gpt-oss's MXFP4 experts, block-scaled FP8 weights (Qwen3-*-FP8's)
-    if method and not (arch == "gpt_oss" and method == "mxfp4") and method != "fp8":
+    # dequantized as they load: gpt-oss's MXFP4 experts, FP8 weights (`_fp8`)
+    if method and not (arch == "gpt_oss" and method == "mxfp4") and method not in FP8_METHODS:
         raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
-                         "supported (but for block-scaled FP8 weights and gpt-oss's MXFP4 experts); serve the "
-                         "model's unquantized (bf16, fp16 or fp32) folder")
+                         "supported (but for FP8 weights — fp8, compressed-tensors, fbgemm_fp8 — and gpt-oss's "
+                         "MXFP4 experts); serve the model's unquantized (bf16, fp16 or fp32) folder")
     act, wanted = _activation(raw, arch), _ACTIVATION.get(arch, "silu")
     if act != wanted:
         raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")

@@ -3,8 +3,8 @@ the weights from its safetensors files — or, in a folder that has none, its Py
 (older checkpoints), read with `weights_only=True` (tensors only: a pickle cannot run code here)
 and memory-mapped, so a rank's slice reads only its own bytes there too. gpt-oss's MXFP4 experts
 (`<name>_blocks` and `<name>_scales` where the parameter's name is missing) are dequantized into
-their parameter an expert at a time; block-scaled FP8 weights (a float8 tensor with its
-`<name>_scale_inv`, config.py's `fp8_block`) into the serving dtype, a piece at a time."""
+their parameter an expert at a time; FP8 weights (a float8 tensor with its scales, config.py's
+`Fp8Scales`) into the serving dtype, a piece at a time."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from worker.models.config import ModelConfig
+from worker.models.config import Fp8Scales, ModelConfig
 from worker.models.llama import CausalLM
 from worker.models.parallel import SINGLE, Piece, Shard
 
@@ -79,7 +79,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
             if any(p.name not in files for p in pieces):
                 missing.append(name)
                 continue
-            tensors = [_read_dequantized(handles, files, p, model.cfg.fp8_block) for p in pieces]
+            tensors = [_read_dequantized(handles, files, p, model.cfg.fp8) for p in pieces]
             _fill(param, tensors, pieces[0].dim if pieces else 0)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
@@ -95,25 +95,31 @@ def _read(handle, piece: Piece) -> torch.Tensor:
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _read_dequantized(handles: dict, files: dict[str, Path], piece: Piece, block: tuple[int, int] | None):
-    """The piece as stored, or an FP8 weight's piece x its blocks' scales (in fp32)."""
+def _read_dequantized(handles: dict, files: dict[str, Path], piece: Piece, fp8: Fp8Scales | None):
+    """The piece as stored, or an FP8 weight's piece x its scales (in fp32): one a block, one an output
+    row, or one for the tensor (config.py's `Fp8Scales`)."""
     tensor = _read(handles[files[piece.name]], piece)
     if tensor.dtype not in FP8:
         return tensor
-    scale_name = f"{piece.name}_scale_inv"
-    if block is None or scale_name not in files:
+    scale_name = f"{piece.name}{fp8.suffix}" if fp8 is not None else None
+    if scale_name not in files:
         raise ValueError(f"{piece.name} is stored in {tensor.dtype} without "
-                         f"{'a quantization_config fp8 with weight_block_size' if block is None else scale_name}: "
-                         "the loader cannot tell its scale")
+                         f"{scale_name or 'an FP8 quantization_config in config.json'}: the loader cannot tell "
+                         "its scale")
     stored = handles[files[piece.name]].get_slice(piece.name)
     shape = list(stored.get_shape() if hasattr(stored, "get_shape") else stored.shape)
     scales = handles[files[scale_name]].get_slice(scale_name)
     scales = scales[piece.expert] if piece.expert is not None else scales[:]
     shape = shape[1:] if piece.expert is not None else shape
-    blocks = [-(-size // b) for size, b in zip(shape, block)]
-    if len(shape) != 2 or list(scales.shape) != blocks:
-        raise ValueError(f"{scale_name} is {list(scales.shape)}: a {shape} weight in blocks of {list(block)} has "
-                         f"{blocks} scales")
+    block = fp8.block
+    if block is None and len(shape) == 2 and scales.numel() in (1, shape[0]):  # per tensor, or per row
+        block = (shape[0], shape[1]) if scales.numel() == 1 else (1, shape[1])
+        scales = scales.reshape(-1, 1)
+    blocks = [-(-size // b) for size, b in zip(shape, block or shape)]
+    if len(shape) != 2 or block is None or list(scales.shape) != blocks:
+        raise ValueError(f"{scale_name} is {list(scales.shape)}: a {shape} weight "
+                         + (f"in blocks of {list(block)} has {blocks} scales" if block else
+                            "has one scale, or one an output row"))
     for dim in (0, 1):  # each scale over its block, cut to the piece (a block may straddle its edge)
         lo, hi = (0, shape[dim]) if piece.start is None or piece.dim != dim else (piece.start, piece.stop)
         first = lo // block[dim]
