@@ -123,9 +123,10 @@ def _read_dequantized(handles: dict, files: dict[str, Path], piece: Piece, fp8: 
     for dim in (0, 1):  # each scale over its block, cut to the piece (a block may straddle its edge)
         lo, hi = (0, shape[dim]) if piece.start is None or piece.dim != dim else (piece.start, piece.stop)
         first = lo // block[dim]
-        scales = scales.narrow(dim, first, -(-hi // block[dim]) - first).repeat_interleave(block[dim], dim)
-        scales = scales.narrow(dim, lo - first * block[dim], hi - lo)
-    return tensor.float() * scales.float()
+        scales = scales.narrow(dim, first, -(-hi // block[dim]) - first)
+        if scales.shape[dim] > 1:  # (one scale across the piece is broadcast, not repeated)
+            scales = scales.repeat_interleave(block[dim], dim).narrow(dim, lo - first * block[dim], hi - lo)
+    return tensor.float().mul_(scales.float())
 
 
 # an FP4 (E2M1) code's value: sign bit, two exponent bits, one mantissa bit
