@@ -30,7 +30,7 @@ class UngatedMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, shard: Shard, act: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        inter, self.act = cfg.intermediate_size, act
+        inter, self.act_fn = cfg.intermediate_size, act  # a module (xIELU) keeps its parameters under this name
         if shard.size == 1:
             self.up_proj = Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
             self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
@@ -40,7 +40,7 @@ class UngatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(first, n, cfg.hidden_size, cfg.mlp_bias, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.up_proj(x)))
 
     def forward_fused(self, x: torch.Tensor, ops: CpuKernels) -> torch.Tensor:
         return self.forward(x)

@@ -24,14 +24,19 @@ pairs over the whole head and every linear biased where use_bias; EXAONE 4 worke
 (OLMo 2's norms after the branches, with Llama's norms, q/k normed per head, three sliding layers to
 one full where it has a window, the full ones unrotated); Seed-OSS Llama's with o's bias apart from
 q/k/v's (attention_out_bias); AFM worker/models/arcee.py's (a non-gated ReLU² MLP); StarCoder 2
-worker/models/starcoder2.py's (biased LayerNorms, a non-gated GELU-tanh MLP, every linear biased).
+worker/models/starcoder2.py's (biased LayerNorms, a non-gated GELU-tanh MLP, every linear biased);
+StableLM 2 worker/models/stablelm.py's (biased LayerNorms, a quarter of each head rotated unless said,
+per-head q/k LayerNorms and parallel residuals where it says); Hunyuan dense Llama's with q/k normed
+per head after RoPE (`qk_norm_after_rope`), its "dynamic" RoPE with an alpha read as plain RoPE on a
+stretched base (worker/models/hunyuan.py names its norms); Apertus worker/models/apertus.py's (a
+non-gated xIELU MLP, q/k normed per head, Llama 3's RoPE on a base of 12M where it says nothing).
 One thing caps the context served below the model's (`ModelConfig.context_cap`), where the model
 computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE),
 whose short factors hold up to the original context and whose long ones, past it, would change every
 position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the
-module cannot compute (partial rotary embeddings outside Phi-3 and GLM, an activation other than its
-family's, an attention soft-cap outside Gemma 2, a quantized checkpoint other than FP8 weights and
-gpt-oss's MXFP4 experts) is refused here, by name."""
+module cannot compute (partial rotary embeddings outside Phi-3, GLM and StableLM, an activation other
+than its family's, dynamic NTK RoPE, an attention soft-cap outside Gemma 2, a quantized checkpoint
+other than FP8 weights and gpt-oss's MXFP4 experts) is refused here, by name."""
 from __future__ import annotations
 
 import json
@@ -52,7 +57,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "PhimoeForCausalLM": "phimoe", "PhiMoEForCausalLM": "phimoe",  # the Hub's Phi-3.5-MoE spelling
                  "Ernie4_5ForCausalLM": "ernie4_5", "Exaone4ForCausalLM": "exaone4",
                  "SeedOssForCausalLM": "seed_oss", "ArceeForCausalLM": "arcee",
-                 "Starcoder2ForCausalLM": "starcoder2"}
+                 "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
+                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ApertusForCausalLM": "apertus"}
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
 # sequence exactly as plain RoPE does (its three position axes are equal there).
@@ -69,14 +75,17 @@ PAIRWISE_ROPE = (*GLM, *COHERE, "ernie4_5")  # RoPE by adjacent pairs (2i, 2i + 
 GRANITES = ("granite", "granitemoe", "granitemoeshared")  # Granite's four scalars, dense and sparse
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # worker/models/deepseek.py: multi-head latent attention
 HALF_ROTARY = (*GLM, "glm4_moe")  # where the config says nothing, half of each head rotates
-PARTIAL_ROTARY = ("phi3", *HALF_ROTARY)  # families whose attention rotates part of each head where the config says
+# families whose attention rotates part of each head where the config says
+PARTIAL_ROTARY = ("phi3", *HALF_ROTARY, "stablelm")
 # families whose transformers model attends the whole sequence whatever sliding_window says
 NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "glm4_moe", "cohere", "granitemoe", "granitemoeshared",
-             "ernie4_5", "seed_oss", "arcee")
+             "ernie4_5", "seed_oss", "arcee", "stablelm", "hunyuan_v1_dense", "apertus")
 TWO_ROPES = ("gemma3", "olmo3")  # sliding layers rotated by a RoPE of their own
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 ORIGINAL_CONTEXT = ("llama3", "yarn", "longrope")  # RoPE types that extend a pre-training context
+APERTUS_ROPE = {"rope_type": "llama3", "rope_theta": 12_000_000.0, "factor": 8.0,
+                "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
 @dataclass(frozen=True)
@@ -178,6 +187,8 @@ class ModelConfig:
     # GLM and Cohere: RoPE turns each head's adjacent pairs (2i, 2i + 1), not its halves (i, i + rotary_dim / 2)
     rope_interleaved: bool = False
     branch_norms: bool = False  # GLM-4-0414: each branch's output RMS-normed too, before its residual add
+    parallel_residual: bool = False  # StableLM's use_parallel_residual: attention and MLP from one norm, side by side
+    qk_norm_after_rope: bool = False  # Hunyuan: q and k normed per head once rotated (elsewhere before)
     logit_scale: float | None = None  # Cohere: logits x it
     lm_head_bias: bool = False  # Phi-3.5-MoE: the head has a bias
     fp8: Fp8Scales | None = None  # how an FP8 checkpoint's weights are scaled (dequantized as they load)
@@ -212,7 +223,8 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     raw = _text_part(json.loads((Path(model_dir) / "config.json").read_text()))
     arch = _arch(raw)
     heads = raw["num_attention_heads"]
-    head_dim = raw.get("head_dim") or _HEAD_DIM.get(arch) or raw["hidden_size"] // heads
+    head_dim = (raw.get("head_dim") if arch != "stablelm" else None) or _HEAD_DIM.get(arch) \
+        or raw["hidden_size"] // heads  # StableLM's: always hidden_size / heads
     max_position_embeddings = raw.get("max_position_embeddings", 2048)
     windows = tuple(_layer_windows(raw, arch))
     theta, scaling, local_theta = (_two_ropes(raw, arch, max_position_embeddings) if arch in TWO_ROPES
@@ -231,8 +243,9 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         max_position_embeddings=max_position_embeddings, layer_windows=windows,
         tie_word_embeddings=raw.get("tie_word_embeddings", gemma or arch in _TIED),
         qkv_bias=qkv_bias, o_bias=o_bias, mlp_bias=mlp_bias,
-        qk_norm="head" if arch in (*QWEN3, "gemma3", "exaone4")
+        qk_norm="head" if arch in (*QWEN3, "gemma3", "exaone4", "hunyuan_v1_dense", "apertus")
         or (arch in ("cohere", "glm4_moe") and raw.get("use_qk_norm"))
+        or (arch == "stablelm" and raw.get("qk_layernorm"))
         else "whole" if arch in (*OLMO, "olmoe") else None,
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar", 256) if gemma else None,
@@ -250,6 +263,8 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         swiglu=(float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0))) if arch == "gpt_oss"
         else None,
         rope_interleaved=arch in PAIRWISE_ROPE, branch_norms=arch == "glm4",
+        parallel_residual=arch == "stablelm" and bool(raw.get("use_parallel_residual", False)),
+        qk_norm_after_rope=arch == "hunyuan_v1_dense",
         logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
         lm_head_bias=arch == "phimoe" and bool(raw.get("lm_head_bias", False)),
         fp8=_fp8(raw.get("quantization_config")),
@@ -263,7 +278,10 @@ def _norm_eps(raw: dict, arch: str) -> float:
         return raw.get("layer_norm_eps", 1e-5)
     if arch == "starcoder2":
         return raw.get("norm_epsilon", 1e-5)
-    return raw.get("rms_norm_eps", 1e-5 if arch in ("ernie4_5", "exaone4", "arcee") else 1e-6)
+    if arch == "stablelm":
+        return raw.get("layer_norm_eps", 1e-5)
+    return raw.get("rms_norm_eps", 1e-5 if arch in ("ernie4_5", "exaone4", "arcee", "hunyuan_v1_dense", "apertus")
+                   else 1e-6)
 
 
 def _biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
@@ -273,6 +291,10 @@ def _biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
     a flag of its own (attention_out_bias)."""
     if arch in QWEN2:
         return True, False, raw.get("mlp_bias", False)
+    if arch == "stablelm":
+        return bool(raw.get("use_qkv_bias", False)), False, False
+    if arch in ("hunyuan_v1_dense", "apertus"):  # attention_bias on q/k/v and o alike; the MLP never
+        return (bool(raw.get("attention_bias", False)),) * 2 + (False,)
     if arch in ("ernie4_5", "starcoder2"):
         return (raw.get("use_bias", arch == "starcoder2"),) * 3
     if arch == "seed_oss":
@@ -471,8 +493,8 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
     partial = _partial_rotary(raw, arch)
     rot = int(head_dim * partial)
     if partial != 1.0 and (arch not in PARTIAL_ROTARY or rot % 2 or rot <= 0):
-        raise ValueError(f"partial_rotary_factor {partial} in config.json: supported for Phi-3 and GLM folders "
-                         "rotating an even number of each head's values; a "
+        raise ValueError(f"partial_rotary_factor {partial} in config.json: supported for Phi-3, GLM and StableLM "
+                         "folders rotating an even number of each head's values; a "
                          f"{arch} folder's attention rotates all of them")
     if kind == "longrope":
         for name in ("short_factor", "long_factor"):
@@ -496,7 +518,7 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
 
 
 _ACTIVATION = {**dict.fromkeys(("gemma", *GEMMA), "gelu_pytorch_tanh"), "arcee": "relu2",
-               "starcoder2": "gelu_pytorch_tanh"}  # every other: SiLU
+               "starcoder2": "gelu_pytorch_tanh", "apertus": "xielu"}  # every other: SiLU
 # where a config leaves head_dim out: its class's default (not hidden_size / heads, as elsewhere)
 _HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "glm": 128, "glm4": 128, "ernie4_5": 128, "seed_oss": 128}
 _TIED = ("gemma", *GEMMA, "smollm3", *COHERE, "ernie4_5", "starcoder2")  # head = the embeddings unless said
@@ -551,10 +573,23 @@ def _rope_layers(raw: dict) -> tuple[bool, ...]:
     return tuple(bool(f) for f in flags)
 
 
+def _ntk_alpha(raw: dict, theta: float, scaling: dict) -> float:
+    """Hunyuan's "dynamic" RoPE with an alpha, as transformers computes it: NTK by a fixed alpha, plain
+    RoPE on a stretched base, the same at every length. Without an alpha it is dynamic NTK, whose
+    frequencies change with the sequence's length — which neither a paged cache nor a prefix cache can
+    follow: refused."""
+    alpha = scaling.get("alpha")
+    if not alpha:
+        raise ValueError("rope_type 'dynamic' without an alpha in config.json: a hunyuan_v1_dense folder's "
+                         "dynamic NTK RoPE is served only with alpha (its frequencies then fixed)")
+    dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+    return theta * alpha ** (dim / (dim - 2))
+
+
 def _partial_rotary(raw: dict, arch: str) -> float:
     """The share of each head RoPE rotates: in rope_parameters (transformers 5) or top level; GLM's
     configs rotate half when they say nothing."""
-    top = raw.get("partial_rotary_factor", 0.5 if arch in HALF_ROTARY else 1.0)
+    top = raw.get("partial_rotary_factor", 0.5 if arch in HALF_ROTARY else 0.25 if arch == "stablelm" else 1.0)
     return (raw.get("rope_parameters") or {}).get("partial_rotary_factor", top)
 
 
@@ -600,11 +635,15 @@ def _rope(raw: dict, arch: str, max_position_embeddings: int) -> tuple[float, di
     rope_parameters, with what transformers fills in: the original context (a Phi-3's top-level
     field first), YaRN's and LongRoPE's missing `factor` as the ratio of the two contexts."""
     params = raw.get("rope_parameters") or {}
+    if arch == "apertus" and not params and not raw.get("rope_scaling"):
+        raw, params = {}, APERTUS_ROPE  # what ApertusConfig fills in without RoPE parameters, whatever rope_theta says
     scaling = raw.get("rope_scaling") or params
     theta = raw.get("rope_theta", params.get("rope_theta", _THETA.get(arch, 10000.0)))
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
     if arch == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's older names for LongRoPE
         rope_type = "longrope"
+    if arch == "hunyuan_v1_dense" and rope_type == "dynamic":
+        return _ntk_alpha(raw, float(theta), scaling), None
     if rope_type == "default":
         return float(theta), None
     kept = {k: v for k, v in scaling.items() if k not in ("type", "rope_type", "rope_theta", "partial_rotary_factor")}

@@ -127,7 +127,8 @@ def _config(arch: str, **kw):
            "ernie4_5": transformers.Ernie4_5Config, "deepseek_v2": transformers.DeepseekV2Config,
            "deepseek_v3": transformers.DeepseekV3Config, "exaone4": transformers.Exaone4Config,
            "seed_oss": transformers.SeedOssConfig, "arcee": transformers.ArceeConfig,
-           "starcoder2": transformers.Starcoder2Config}[arch]
+           "starcoder2": transformers.Starcoder2Config, "stablelm": transformers.StableLmConfig,
+           "hunyuan_v1_dense": transformers.HunYuanDenseV1Config, "apertus": transformers.ApertusConfig}[arch]
     return cls(**kw)
 
 

@@ -5,7 +5,7 @@ logits scaled); SmolLM3 Llama's with some layers unrotated (NoPE); Ministral 3 M
 queries scaled up past the original context (Llama 4's scaling); OLMoE Llama's with q and k each
 RMS-normed across all their heads, q/k/v clipped, and experts; GLM Llama's with half of each head
 rotated, by adjacent pairs (`rotate_pairs_as_halves`), GLM-4-0414 with each branch's output normed
-too (`branch`).
+too (`branch`); Hunyuan Llama's with q and k normed once rotated (`norm_after_rope`).
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -179,6 +179,7 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = _whole_width_norms(cfg, shard, q_first * d, kv_first * d, self.q_size,
                                                          self.kv_size, norm)
         self.qk_norm, self.clip, self.shard = cfg.qk_norm, cfg.clip_qkv, shard
+        self.norm_after_rope = cfg.qk_norm_after_rope  # Hunyuan's q/k norms: on the rotated heads
         self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None  # gpt-oss's, per head
@@ -187,14 +188,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self._heads(self.qkv_proj(x))
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif self.qk_norm == "whole":
-            q, k = self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        if not self.norm_after_rope:
+            q, k = self._norm_qk(q, k)
         if self.clip is not None:
             q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
         if self.rope:
             q, k = _rotary(q, rope.cos, rope.sin), _rotary(k, rope.cos, rope.sin)
+        if self.norm_after_rope:
+            q, k = self._norm_qk(q, k)
         if rope.q_scale is not None:
             q = q * rope.q_scale.to(q.dtype)
         return self._attend(q, k, v, kv_cache, meta)
@@ -204,6 +205,27 @@ class Attention(nn.Module):
                       ops: CpuKernels, q_scale: torch.Tensor | None = None) -> torch.Tensor:
         """forward's steps, with q/k norm and rope applied in place to the qkv rows."""
         qkv = self.qkv_proj(x).contiguous()
+        if not self.norm_after_rope:
+            self._norm_qk_fused(qkv, ops)
+        if self.clip is not None:
+            qkv.clamp_(-self.clip, self.clip)
+        if self.rope:
+            ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
+        if self.norm_after_rope:
+            self._norm_qk_fused(qkv, ops)
+        if q_scale is not None:
+            qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim).mul_(q_scale)
+        return self._attend(*self._heads(qkv), kv_cache, meta)
+
+    def _norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.qk_norm == "head":
+            return self.q_norm(q), self.k_norm(k)
+        if self.qk_norm == "whole":
+            return self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        return q, k
+
+    def _norm_qk_fused(self, qkv: torch.Tensor, ops: CpuKernels) -> None:
+        """_norm_qk's, in place on the qkv rows."""
         if self.qk_norm == "head":
             ops.head_rmsnorm_(qkv, 0, self.num_heads, self.q_norm.weight, self.q_norm.eps)
             ops.head_rmsnorm_(qkv, self.q_size, self.num_kv_heads, self.k_norm.weight, self.k_norm.eps)
@@ -214,13 +236,6 @@ class Attention(nn.Module):
         elif self.qk_norm == "whole":  # q as one head of q_size values, k as one of kv_size
             ops.head_rmsnorm_(qkv, 0, 1, self.q_norm.weight, self.q_norm.eps, self.q_size)
             ops.head_rmsnorm_(qkv, self.q_size, 1, self.k_norm.weight, self.k_norm.eps, self.kv_size)
-        if self.clip is not None:
-            qkv.clamp_(-self.clip, self.clip)
-        if self.rope:
-            ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
-        if q_scale is not None:
-            qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim).mul_(q_scale)
-        return self._attend(*self._heads(qkv), kv_cache, meta)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -223,6 +223,12 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
         from worker.models.arcee import ArceeCausalLM as model_class
     elif cfg.arch == "exaone4":
         from worker.models.olmo import Exaone4CausalLM as model_class
+    elif cfg.arch == "stablelm":
+        from worker.models.stablelm import StableLmCausalLM as model_class
+    elif cfg.arch == "hunyuan_v1_dense":
+        from worker.models.hunyuan import HunyuanCausalLM as model_class
+    elif cfg.arch == "apertus":
+        from worker.models.apertus import ApertusCausalLM as model_class
     elif cfg.post_norm:
         from worker.models.olmo import OlmoCausalLM as model_class
     else:

@@ -1,11 +1,11 @@
 """FP8 checkpoints, each linear's weight in float8 e4m3 beside its scales, dequantized as it loads: "fp8"
 (`weight_block_size`, as Qwen3-*-FP8 and DeepSeek-V3 are saved: `<weight>_scale_inv` one a block),
 "compressed-tensors" (llm-compressor's FP8: `<weight>_scale` one an output channel, or one the tensor)
-and "fbgemm_fp8" (one an output channel). The reference is the same model saved unquantized with those dequantized weights (what transformers
-serves with `dequantize=True`): on the FP8 folder the engine answers as transformers does on the
-reference, token for token and to the logprob, and a tensor-parallel rank's slice of a weight — scale
-blocks straddling its edges — is the dequantized weight's slice.
-"""
+and "fbgemm_fp8" (one an output channel). The reference is the same model saved unquantized with those
+dequantized weights (what transformers serves with `dequantize=True`): on the FP8 folder the engine
+answers as transformers does on the reference, token for token and to the logprob, and a
+tensor-parallel rank's slice of a weight — scale blocks straddling its edges — is the dequantized
+weight's slice."""
 import json
 import shutil
 

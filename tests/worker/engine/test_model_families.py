@@ -19,6 +19,7 @@ from worker.models.config import read_model_config
 torch.set_num_threads(1)
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
 YARN = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)
+HUNYUAN_ALPHA = {"type": "dynamic", "alpha": 1000.0, "factor": 1.0}  # NTK by a fixed alpha: a stretched base
 YARN_TUNED = dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=24, beta_fast=16,
                   beta_slow=2, attention_factor=1.3, truncate=False)
 
@@ -225,11 +226,16 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
     (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 in config.json is not supported for a mistral"),
     (dict(architectures=["GlmForCausalLM"], model_type="glm", rope_parameters=dict(  # 5 of 16 values: an odd number
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3125)),
-     "partial_rotary_factor 0.3125 in config.json: supported for Phi-3 and GLM folders rotating an even number"),
+     "partial_rotary_factor 0.3125 in config.json: supported for Phi-3, GLM and StableLM folders rotating an even"),
     (dict(architectures=["ArceeForCausalLM"], model_type="arcee", hidden_act="silu"),
      "hidden_act 'silu' in config.json: a arcee folder's MLP is 'relu2'"),
     (dict(architectures=["Starcoder2ForCausalLM"], model_type="starcoder2", hidden_act="gelu"),
      "hidden_act 'gelu' in config.json: a starcoder2 folder's MLP is 'gelu_pytorch_tanh'"),
+    (dict(architectures=["HunYuanDenseV1ForCausalLM"], model_type="hunyuan_v1_dense", rope_parameters=dict(
+        rope_type="dynamic", factor=2.0, rope_theta=10000.0)),  # dynamic NTK: frequencies that follow the length
+     "rope_type 'dynamic' without an alpha in config.json: a hunyuan_v1_dense folder's dynamic NTK RoPE"),
+    (dict(architectures=["ApertusForCausalLM"], model_type="apertus", hidden_act="relu2"),
+     "hidden_act 'relu2' in config.json: a apertus folder's MLP is 'xielu'"),
 ])
 def test_what_the_module_cannot_compute_is_refused_by_name(tmp_path, build_tiny, changes, message):
     folder = rewritten(build_tiny("mistral", "mistral", config_extra=dict(sliding_window=None)),
@@ -557,6 +563,18 @@ DENSE = {  # name: (arch, build_tiny's fields, what the config reads as); hidden
     "starcoder2-window": ("starcoder2", dict(config_extra=dict(sliding_window=24, norm_epsilon=0.001)),
                           dict(qkv_bias=True, o_bias=True, mlp_bias=True, layer_windows=(24,) * 4,
                                rms_norm_eps=0.001)),
+    "stablelm2-zephyr": ("stablelm", dict(config_extra=dict(use_qkv_bias=True)),  # a quarter of each head rotated
+                         dict(rotary_dim=4, qkv_bias=True, o_bias=False, qk_norm=None, parallel_residual=False)),
+    "stablelm2-12b-parallel": ("stablelm", dict(config_extra=dict(
+        qk_layernorm=True, use_parallel_residual=True, partial_rotary_factor=0.5, layer_norm_eps=0.001)),
+                               dict(rotary_dim=8, qkv_bias=False, qk_norm="head", parallel_residual=True,
+                                    rms_norm_eps=0.001)),
+    "hunyuan-ntk-alpha-biased": ("hunyuan_v1_dense", dict(head_dim=16, rope_scaling=HUNYUAN_ALPHA, config_extra=dict(
+        attention_bias=True, mlp_bias=True)),  # mlp_bias: its class never biases the MLP
+                                 dict(qk_norm="head", qk_norm_after_rope=True, qkv_bias=True, o_bias=True,
+                                      mlp_bias=False, rope_scaling=None, rope_theta=10000.0 * 1000.0 ** (16 / 14))),
+    "apertus-xielu": ("apertus", dict(config_extra=dict(attention_bias=True, mlp_bias=True)),  # Llama 3's RoPE
+                      dict(qk_norm="head", qkv_bias=True, o_bias=True, mlp_bias=False, rope_theta=12_000_000.0)),
 }
 
 
@@ -566,7 +584,11 @@ def test_a_dense_family_matches_transformers(name, build_tiny, random_prompts, h
     (OLMo 2's norms after each branch, none before, q/k normed per head, three sliding layers to one
     full, only the sliding ones rotated); Seed-OSS (o's bias by attention_out_bias, apart from q/k/v's);
     AFM (a non-gated MLP: up, ReLU², down; YaRN); StarCoder 2 (biased LayerNorms, a non-gated GELU-tanh
-    MLP, every linear biased, a window in every layer): greedy on both CPU paths, past the windows,
+    MLP, every linear biased, a window in every layer); StableLM 2 (biased LayerNorms, part of each head
+    rotated, q/k/v biased; the 12B's q/k LayerNormed per head, each head's own weights, and the attention
+    and MLP side by side); Hunyuan (q/k normed per head after RoPE; NTK by a fixed alpha, q/k/v and o
+    biased); Apertus (a non-gated xIELU MLP, its two learned scalars drawn, q/k normed per head, Llama 3's
+    RoPE on a base of 12M where it says nothing): greedy on both CPU paths, past the windows,
     chunked and from the prefix cache, and the top-5 logprobs; norm weights drawn around 1 and biases
     around 0 (narrowly: summed over the layers, wide ones drown out the prompt), so that each is read
     where it belongs."""
@@ -580,18 +602,20 @@ def test_a_dense_family_matches_transformers(name, build_tiny, random_prompts, h
 
 
 UNSAID = ("head_dim", "rope_parameters", "tie_word_embeddings", "use_bias", "attention_bias", "attention_out_bias",
-          "mlp_bias", "sliding_window", "sliding_window_pattern", "layer_types", "norm_epsilon", "rms_norm_eps")
+          "mlp_bias", "sliding_window", "sliding_window_pattern", "layer_types", "norm_epsilon", "rms_norm_eps",
+          "use_qkv_bias", "qk_layernorm", "use_parallel_residual", "layer_norm_eps", "partial_rotary_factor")
 
 
 @pytest.mark.parametrize("name", list(DENSE))
 def test_a_dense_familys_unsaid_fields_read_as_transformers_fills_them_in(name, tmp_path, build_tiny):
     """A Hub config leaving out what its class defaults (head_dim, RoPE base, tying, biases, epsilon,
-    EXAONE 4's window and its pattern) reads as transformers builds the model: its config's values and
-    which of its linears have biases."""
+    EXAONE 4's window and its pattern, StableLM's rotated share, q/k norms and residuals) reads as
+    transformers builds the model: its config's values and which of its linears have biases."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     arch, build, _ = DENSE[name]
-    folder = rewritten(build_tiny(name, arch, num_layers=4, **build), tmp_path / "unsaid", **dict.fromkeys(UNSAID))
+    unsaid = [f for f in UNSAID if not (arch == "hunyuan_v1_dense" and f == "head_dim")]  # its class needs one
+    folder = rewritten(build_tiny(name, arch, num_layers=4, **build), tmp_path / "unsaid", **dict.fromkeys(unsaid))
     cfg, theirs = read_model_config(folder), AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         layer = AutoModelForCausalLM.from_config(theirs).model.layers[0]
@@ -600,7 +624,12 @@ def test_a_dense_familys_unsaid_fields_read_as_transformers_fills_them_in(name, 
         m.bias is not None for m in (layer.self_attn.q_proj, layer.self_attn.o_proj, mlp_down))
     assert (cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == (
         layer.self_attn.head_dim, theirs.rope_parameters["rope_theta"], theirs.tie_word_embeddings)
-    assert cfg.rms_norm_eps == (getattr(theirs, "norm_epsilon", None) or theirs.rms_norm_eps)
+    assert cfg.rms_norm_eps == next(getattr(theirs, name) for name in ("norm_epsilon", "layer_norm_eps", "rms_norm_eps")
+                                    if hasattr(theirs, name))
+    assert cfg.rotary_dim == int(cfg.head_dim * theirs.rope_parameters.get("partial_rotary_factor", 1.0))
+    if arch == "stablelm":  # StableLmConfig's quarter of each head, no q/k norms, Llama's residuals
+        assert (cfg.rotary_dim, cfg.qk_norm, cfg.parallel_residual) == (4, None, False)
+        assert (layer.self_attn.qk_layernorm, layer.use_parallel_residual) == (False, False)
     if arch == "exaone4":
         windows = tuple(theirs.sliding_window if kind == "sliding_attention" else None for kind in theirs.layer_types)
         assert cfg.layer_windows == windows == (4096, 4096, 4096, None)

@@ -6,8 +6,10 @@ layers past their window), Mixtral and Qwen2-MoE (experts split, a shared expert
 fused), GLM-4-0414 (RoPE on half of each head, by adjacent pairs), Command R+ (q and k LayerNormed per
 head, each head its own weights), GLM-4.5 (a grouped sigmoid router, shared experts), Granite 3 MoE
 (experts stored as one tensor, a shared MLP), Phi-3.5-MoE (sparsemixer, a biased head) and DeepSeek-V3 and
-V2 (latent attention: its latent projections whole on each rank, q, kv_b and o split by heads), with the
-prefix cache, preemption and seeded sampling as at TP = 1."""
+V2 (latent attention: its latent projections whole on each rank, q, kv_b and o split by heads), StableLM 2
+(q and k LayerNormed per head, one checkpoint tensor a head; parallel residuals), Hunyuan (q/k norms
+after RoPE) and Apertus (xIELU's scalars on each rank), with the prefix cache, preemption and seeded
+sampling as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,9 +71,20 @@ MODELS = {  # name: (arch, overrides)
         kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=32, n_routed_experts=8,
         num_experts_per_tok=2, topk_method="group_limited_greedy", n_group=4, topk_group=2, moe_intermediate_size=32,
         n_shared_experts=2, first_k_dense_replace=1, routed_scaling_factor=1.5, attention_bias=True))),
+    # each rank its heads' q/k LayerNorms (one checkpoint tensor a head), its rows of the q/k/v biases, the
+    # quarter of each head rotated; attention and MLP side by side, biased LayerNorms whole
+    "stablelm-per-head-layernorms-parallel": ("stablelm", dict(num_kv_heads=2, config_extra=dict(
+        qk_layernorm=True, use_parallel_residual=True, use_qkv_bias=True))),
+    # each rank its heads' q/k norms, after their RoPE (NTK by a fixed alpha)
+    "hunyuan-norms-after-rope": ("hunyuan_v1_dense", dict(num_kv_heads=2, head_dim=16, config_extra=dict(
+        attention_bias=True, rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0}))),
+    # up's rows and down's columns split, xIELU's two scalars (drawn) whole on each rank
+    "apertus-xielu": ("apertus", dict(num_kv_heads=2, config_extra=dict(attention_bias=True))),
 }
 # norms drawn around 1, biases around 0 (transformers builds 1 and 0)
-DRAWN = {"phimoe-sparsemixer-head-bias", "deepseek-v3-latent-attention-grouped-router", "deepseek-v2-q-proj-wide-v"}
+DRAWN = {"phimoe-sparsemixer-head-bias", "deepseek-v3-latent-attention-grouped-router", "deepseek-v2-q-proj-wide-v",
+         "stablelm-per-head-layernorms-parallel", "hunyuan-norms-after-rope",
+         "apertus-xielu"}
 
 
 @dataclass
