@@ -5,14 +5,13 @@ top k, greedy or within the best groups), shared experts and dense first layers,
 transformers' greedy on the native and the torch paths, prefilled in chunks and from the prefix cache,
 their top-5 logprobs too (1e-5); the Triton kernels (interpreted) with a head size that is no power of
 two; what transformers' modules would not compute is refused when the folder is read, by name."""
-import json
-import shutil
 
 import pytest
 import torch
 
 from tests.worker.engine.test_model_families import (GREEDY, assert_top5_logprobs_match, exact_on_cpu_paths,
                                                      rewritten, tokens, with_norms_drawn)
+from tests.worker.engine.test_moe_families import with_mtp_layer
 from worker.engine.llm import LLM
 from worker.models.config import read_model_config
 from worker.models.deepseek import softmax_scale
@@ -130,24 +129,10 @@ def test_what_deepseeks_modules_would_not_compute_is_refused_by_name(name, chang
 
 
 def test_v3_mtp_layers_in_the_checkpoint_are_not_read(tmp_path, build_tiny, random_prompts):
-    """A released V3 folder holds its MTP layer past num_hidden_layers (model.layers.61.* of 61: a
-    decoder layer and eh_proj, enorm, hnorm, shared_head) in a shard of its own: it serves as without."""
-    from safetensors.torch import load_file, save_file
-
+    """A released V3 folder holds its MTP layer past num_hidden_layers (model.layers.61.* of 61) in a
+    shard of its own: it serves as without."""
     folder = deepseek_dir("v3-q-lora-yarn", build_tiny)
-    mtp = tmp_path / "with-mtp"
-    shutil.copytree(folder, mtp)
-    tensors, last = load_file(mtp / "model.safetensors"), "model.layers.2."
-    extra = {name.replace(last, "model.layers.3."): t.clone() for name, t in tensors.items() if name.startswith(last)}
-    extra |= {f"model.layers.3.{name}": torch.randn(*shape) for name, shape in (
-        ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
-        ("shared_head.norm.weight", (64,)), ("shared_head.head.weight", (2048, 64)))}
-    (mtp / "model.safetensors").unlink()
-    save_file(tensors, mtp / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
-    save_file(extra, mtp / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
-    weight_map = {**dict.fromkeys(tensors, "model-00001-of-00002.safetensors"),
-                  **dict.fromkeys(extra, "model-00002-of-00002.safetensors")}
-    (mtp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    mtp = with_mtp_layer(folder, tmp_path / "with-mtp")
     prompts = random_prompts(3, 20, 60, seed=79)
     assert tokens(LLM(mtp).generate(prompts, GREEDY)) == tokens(LLM(folder).generate(prompts, GREEDY))
 

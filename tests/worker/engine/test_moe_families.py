@@ -117,26 +117,31 @@ def test_what_a_router_cannot_do_is_refused_by_name(arch, changes, message, tmp_
         read_model_config(rewritten(moe_dir(name, build_tiny), tmp_path / "bad", **changes))
 
 
-def test_glm45_mtp_layers_in_the_checkpoint_are_not_read(tmp_path, build_tiny, random_prompts):
-    """A released GLM-4.5 folder holds its MTP (next-token prediction) layer past num_hidden_layers,
-    model.layers.92.* of 92 (a decoder layer and eh_proj, enorm, hnorm, shared_head), in a shard of
-    its own listed in the index: the folder loads and serves exactly as it does without them."""
+def with_mtp_layer(folder, to):
+    """The folder copied to `to` with one MTP (next-token prediction) layer past num_hidden_layers, as
+    GLM-4.5 and DeepSeek-V3 release theirs (model.layers.92.* of 92: a copy of a decoder layer and
+    eh_proj, enorm, hnorm, shared_head), in a shard of its own listed in the index."""
     from safetensors.torch import load_file, save_file
 
-    folder = moe_dir("glm-4.5", build_tiny)
-    mtp = tmp_path / "with-mtp"
-    shutil.copytree(folder, mtp)
-    tensors, last = load_file(mtp / "model.safetensors"), "model.layers.2."
+    shutil.copytree(folder, to)
+    tensors, last = load_file(to / "model.safetensors"), "model.layers.2."
     extra = {name.replace(last, "model.layers.3."): t.clone() for name, t in tensors.items() if name.startswith(last)}
     extra |= {f"model.layers.3.{name}": torch.randn(*shape) for name, shape in (
         ("eh_proj.weight", (64, 128)), ("enorm.weight", (64,)), ("hnorm.weight", (64,)),
         ("shared_head.norm.weight", (64,)), ("shared_head.head.weight", (2048, 64)))}
-    (mtp / "model.safetensors").unlink()
-    save_file(tensors, mtp / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
-    save_file(extra, mtp / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    (to / "model.safetensors").unlink()
+    save_file(tensors, to / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+    save_file(extra, to / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
     weight_map = {**dict.fromkeys(tensors, "model-00001-of-00002.safetensors"),
                   **dict.fromkeys(extra, "model-00002-of-00002.safetensors")}
-    (mtp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (to / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return to
+
+
+def test_glm45_mtp_layers_in_the_checkpoint_are_not_read(tmp_path, build_tiny, random_prompts):
+    """The folder loads and serves exactly as it does without them."""
+    folder = moe_dir("glm-4.5", build_tiny)
+    mtp = with_mtp_layer(folder, tmp_path / "with-mtp")
     assert json.loads((mtp / "config.json").read_text())["num_nextn_predict_layers"] == 1
     prompts = random_prompts(3, 20, 60, seed=61)
     assert tokens(LLM(mtp).generate(prompts, GREEDY)) == tokens(LLM(folder).generate(prompts, GREEDY))
