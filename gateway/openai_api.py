@@ -66,6 +66,11 @@ class Call:
                   else {"prompt": body.prompt})
         return cls(body, "completion", prompt)
 
+    def echoes_tokens(self) -> bool:
+        """A completion that echoes a prompt of token ids: the worker sends its text (the gateway has no
+        tokenizer)."""
+        return self.kind == "completion" and self.body.echo and "prompt_token_ids" in self.prompt
+
     def include_usage(self) -> bool:
         options = self.body.stream_options
         return bool(options and options.include_usage)
@@ -405,7 +410,7 @@ def _entry(state: GatewayState, lease: Lease, call: Call, version: str) -> proto
         created=now, deadline=now + _total_s(settings, lease), key_id=lease.key.id, weight=lease.key.weight,
         priority=body.priority + (BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0),
         cache_salt=lease.key.cache_salt(), trace=telemetry.inject(), streamed=bool(body.stream),
-        from_model=body.left_to_model(), **call.prompt, **call.template)
+        from_model=body.left_to_model(), echo_prompt=call.echoes_tokens(), **call.prompt, **call.template)
 
 
 def _total_s(settings, lease: Lease) -> float:
@@ -421,6 +426,7 @@ class _Echo:
     text: str | None = None
     with_logprobs: bool = False
     vllm_field: bool = False
+    text_from_worker: bool = False  # a prompt of token ids: its text comes on the verdict (`heard`)
     scores: list[dict] | None = None
     echoed: set[int] = dataclasses.field(default_factory=set)  # choices whose prompt text went out
 
@@ -429,14 +435,23 @@ class _Echo:
         body = call.body
         if call.kind != "completion":
             return cls()
-        return cls(body.prompt if body.echo else None, body.echo and body.logprobs is not None,
-                   body.prompt_logprobs is not None)
+        tokens = call.echoes_tokens()
+        return cls(body.prompt if body.echo and not tokens else None, body.echo and body.logprobs is not None,
+                   body.prompt_logprobs is not None, tokens)
 
     def spec(self) -> dict | None:
-        """What a resumed stream needs of it (gateway/resume.py); None: nothing to echo."""
-        if self.text is None and not self.with_logprobs and not self.vllm_field:
+        """What a resumed stream needs of it (gateway/resume.py); None: nothing to echo. (A resumed
+        stream reads its replies from the start: the verdict brings a worker's text again.)"""
+        if self.text is None and not (self.with_logprobs or self.vllm_field or self.text_from_worker):
             return None
-        return {"text": self.text, "with_logprobs": self.with_logprobs, "vllm_field": self.vllm_field}
+        spec = {"text": self.text, "with_logprobs": self.with_logprobs, "vllm_field": self.vllm_field}
+        # (named only when set: a gateway of the previous release resumes every other stream's echo)
+        return spec | {"text_from_worker": True} if self.text_from_worker else spec
+
+    def heard(self, reply: protocol.Delta) -> None:
+        """The prompt's text, from the verdict of a request whose prompt came as token ids."""
+        if self.text_from_worker and reply.prompt_text is not None:
+            self.text = reply.prompt_text
 
     @classmethod
     def from_spec(cls, spec: dict | None) -> _Echo:
@@ -612,6 +627,7 @@ async def _collect(replies: AsyncIterator, shape: _Shape, max_logprobs: int) -> 
     kept = 0
     async for reply in replies:
         if isinstance(reply, protocol.Delta):
+            shape.echo.heard(reply)
             texts.setdefault(reply.index, []).append(reply.text)
             if reply.reasoning:
                 reasoning.setdefault(reply.index, []).append(reply.reasoning)
@@ -680,6 +696,7 @@ async def _sse(answer: Answer, replies: AsyncIterator, lease: Lease, include_usa
                     continue
                 new = reply.seq > after
                 if isinstance(reply, protocol.Delta):
+                    shape.echo.heard(reply)
                     if not (reply.text or reply.reasoning or reply.finish_reason or reply.logprobs
                             or reply.prompt_logprobs):
                         continue  # the admission verdict, or text the detokenizer holds back

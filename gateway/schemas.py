@@ -199,11 +199,9 @@ class CompletionRequest(_Sampling):
 
     @field_validator("echo")
     @classmethod
-    def _echo_needs_text(cls, v, info: ValidationInfo):
-        """(`prompt`, `logprobs`, `stream` and `n` are validated before `echo`.)"""
-        if v and isinstance(info.data.get("prompt"), list):
-            raise ValueError("echo needs a text prompt: the gateway has no tokenizer to write token ids "
-                             "back as text")
+    def _echo_streams_one_scored_choice(cls, v, info: ValidationInfo):
+        """(`prompt`, `logprobs`, `stream` and `n` are validated before `echo`.) A prompt of token ids
+        is echoed as the worker's tokenizer writes it (the entry's echo_prompt)."""
         if v and info.data.get("logprobs") is not None and info.data.get("stream") and info.data.get("n", 1) > 1:
             raise ValueError("echo with logprobs streams one choice (the prompt is scored once); "
                              "send n=1 or stream=false")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -91,6 +91,9 @@ class RequestEntry(BaseModel):
     # v7: the MODEL_DEFAULTS the client left out: the worker may take them from the model folder's
     # generation_config.json (worker/model_defaults.py); an older worker keeps OpenAI's defaults
     from_model: list[str] | None = None
+    # v8: the prompt's text comes back on the admission verdict (`Delta.prompt_text`): a completion that
+    # echoes a prompt sent as token ids, which only the worker's tokenizer can write as text
+    echo_prompt: bool = False
 
     def sampling_params(self, model_defaults: dict | None = None, **when_absent) -> SamplingParams:
         """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
@@ -118,6 +121,7 @@ class Delta(BaseModel):
     # v4: on a request's first delta of choice 0, one entry per prompt token (logprob None: unscored)
     prompt_logprobs: list[dict[str, Any]] | None = None
     token_strs: list[str] | None = None  # v5: a tokenize answer's tokens as its tokenizer spells them
+    prompt_text: str | None = None  # v8: on the admission verdict of an entry with echo_prompt
     finish_reason: str | None = None
 
 
@@ -162,11 +166,12 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     5: {"request": frozenset({"render", "weight"}), "delta": frozenset({"token_strs"})},
     6: {"request": frozenset({"streamed"})},
     7: {"request": frozenset({"from_model"})},
+    8: {"request": frozenset({"echo_prompt"}), "delta": frozenset({"prompt_text"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
 NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
-                         "prompt_logprobs": 4, "tokenize": 5}
+                         "prompt_logprobs": 4, "tokenize": 5, "echo": 8}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
@@ -174,7 +179,8 @@ def missing_features(entry: RequestEntry, version: int) -> list[str]:
     used = {"tools": entry.tools, "chat_template_kwargs": entry.chat_template_kwargs,
             "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias,
             "prompt_logprobs": entry.params.prompt_logprobs is not None,
-            "tokenize": entry.kind in TOKENIZER_KINDS}  # an older worker cannot read the kind
+            "tokenize": entry.kind in TOKENIZER_KINDS,  # an older worker cannot read the kind
+            "echo": entry.echo_prompt}
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

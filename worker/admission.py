@@ -216,7 +216,8 @@ class Admission:
             finished=set(ckpt.finished), completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
             stream=p.stream, version=entry.v, deadline=entry.deadline,
             splits=self._splits(entry, prompt_ids, ckpt), streamed=entry.streamed,
-            sent_token=any(ckpt.tokens.values())))
+            sent_token=any(ckpt.tokens.values()),
+            prompt_text=self._prompt_text(entry, prompt_ids) if ckpt.empty else None))
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
@@ -251,6 +252,13 @@ class Admission:
         if entry.kind == "chat":
             return render_chat(self.tokenizer, entry.messages or [], entry.tools, entry.chat_template_kwargs)
         return encode_prompt(self.tokenizer, entry.prompt or "")
+
+    def _prompt_text(self, entry: protocol.RequestEntry, prompt_ids: list[int]) -> str | None:
+        """A token-id prompt as text, for a completion that echoes it (its special tokens kept, as the
+        prompt holds them); a text prompt the gateway echoes itself."""
+        if not entry.echo_prompt or entry.prompt_token_ids is None:
+            return None
+        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
     def _splits(self, entry: protocol.RequestEntry, prompt_ids: list[int],
                 ckpt: checkpoint.Checkpoint) -> dict[int, ThinkingSplit] | None:

@@ -42,6 +42,7 @@ class Active:
     streamed: bool = True  # False: its replies may be held (worker/held.py)
     sent_token: bool = False  # a delta with tokens went out
     held: Held | None = None
+    prompt_text: str | None = None  # goes out on the verdict (an entry's echo_prompt)
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -134,9 +135,14 @@ class InFlight:
         """The admission verdict: a stream's goes out now, a whole answer's with its first token
         (worker/held.py), unless KVGATE_FIRST_HOLD_S is 0."""
         if act.streamed or not self.first_hold_s:
-            self._send(act, protocol.Delta(request_id=request_id, seq=0))
+            self._send(act, self._verdict(request_id, act))
         else:
             self._held(request_id, act).verdict = True
+
+    @staticmethod
+    def _verdict(request_id: str, act: Active) -> protocol.Delta:
+        prompt_text, act.prompt_text = act.prompt_text, None  # (a verdict goes out once: kept no longer)
+        return protocol.Delta(request_id=request_id, seq=0, prompt_text=prompt_text)
 
     def _release(self, request_id: str, act: Active, index: int | None = None) -> None:
         """Send what `act` holds of choice `index` (None: of every choice) as one delta each, after
@@ -145,7 +151,7 @@ class InFlight:
             return
         if act.held.verdict:
             act.held.verdict = False
-            self._send(act, protocol.Delta(request_id=request_id, seq=0))
+            self._send(act, self._verdict(request_id, act))
         for i, choice in act.held.take(index):
             act.sent_token = act.sent_token or bool(choice.token_ids)
             self._send(act, choice.delta(request_id, 0, i))

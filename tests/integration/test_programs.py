@@ -1,7 +1,8 @@
 """Programs through the gateway (kvgate up on the tiny model): the same results as the in-process
 engine for the same seeds, forks read their shared prefix from the prefix cache, every call counts
 against the program's key, and a key without the model gets its 403 as an exception. Also echo and
-prompt_logprobs on /v1/completions as an OpenAI client sees them."""
+prompt_logprobs on /v1/completions as an OpenAI client sees them, and lm-evaluation-harness's
+loglikelihood request (a prompt of token ids, echoed with its logprobs)."""
 from __future__ import annotations
 
 import re
@@ -139,3 +140,31 @@ def test_echo_and_prompt_logprobs_on_completions(stack):
     stream = client.completions.create(model="demo", prompt="one two", max_tokens=3, echo=True, stream=True,
                                        temperature=0)
     assert "".join(c.choices[0].text for c in stream).startswith("one two")
+
+
+def test_a_prompt_of_token_ids_is_echoed_as_the_tokenizer_writes_it(stack, tiny_model_dir):
+    """lm-evaluation-harness's `local-completions` scores a continuation by sending the tokens of
+    context + continuation, echoed with logprobs, max_tokens 1 (its loglikelihood request): the
+    answer is the one the same prompt sent as text gets — text, tokens and logprobs — streamed or
+    whole, and each of n streamed choices starts with the prompt."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    text = "The cat sat on the mat, and then"
+    ids = AutoTokenizer.from_pretrained(str(tiny_model_dir))(text, add_special_tokens=False)["input_ids"]
+    client = OpenAI(base_url=stack.url + "/v1", api_key=stack.key)
+    lm_eval = {"model": "demo", "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    as_ids, as_text = client.completions.create(prompt=[ids], **lm_eval), client.completions.create(prompt=text, **lm_eval)
+    mine, theirs = as_ids.choices[0], as_text.choices[0]
+    assert mine.text == theirs.text and mine.text.startswith(text) and len(mine.text) > len(text)
+    assert mine.logprobs.tokens == theirs.logprobs.tokens and len(mine.logprobs.tokens) == len(ids) + 1
+    assert mine.logprobs.token_logprobs[0] is None
+    assert mine.logprobs.token_logprobs[1:] == pytest.approx(theirs.logprobs.token_logprobs[1:], abs=1e-5)
+    assert as_ids.usage.prompt_tokens == len(ids)
+    stream = client.completions.create(model="demo", prompt=ids, max_tokens=3, n=2, echo=True, stream=True,
+                                       temperature=0.9, seed=7)
+    texts = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert sorted(texts) == [0, 1] and all(t.startswith(text) and len(t) > len(text) for t in texts.values())

@@ -243,11 +243,20 @@ def test_a_client_that_leaves_can_come_back_within_the_grace_and_one_that_does_n
             await read_sse(client, "POST", url1 + "/v1/completions", echoer, first, echoed, stop_after=1)
             erid = first.last_id.rpartition(":")[0]
             await read_sse(client, "GET", f"{url2}/v1/streams/{erid}", echoer, again, last_id=f"{erid}:0")
-            return back, gone, stranger, bad, first, again
+            # and a prompt of token ids, whose text the worker wrote on its verdict: heard again there
+            ids = (await client.post(url2 + "/tokenize", headers={"Authorization": f"Bearer {echoer}"}, json={
+                "model": "demo", "prompt": echoed["prompt"], "add_special_tokens": False})).json()["tokens"]
+            by_ids, by_ids_again = Seen(), Seen()
+            await read_sse(client, "POST", url1 + "/v1/completions", echoer, by_ids, {**echoed, "prompt": ids},
+                           stop_after=1)
+            irid = by_ids.last_id.rpartition(":")[0]
+            await read_sse(client, "GET", f"{url2}/v1/streams/{irid}", echoer, by_ids_again, last_id=f"{irid}:0")
+            return back, gone, stranger, bad, first, again, by_ids_again
 
-    back, gone, stranger, bad, first, again = asyncio.run(scenario())
+    back, gone, stranger, bad, first, again, by_ids_again = asyncio.run(scenario())
     assert first.text().startswith(echoed["prompt"]) and again.done, (first.text(), again.status)
     assert again.events[0] == first.events[0] and len(again.text()) > len(first.text())
+    assert by_ids_again.done and by_ids_again.text().startswith(echoed["prompt"]), by_ids_again.text()
     assert stranger.status == 404 and stranger.error["code"] == "stream_not_found"
     assert bad.status == 400 and bad.error["param"] == "Last-Event-ID"
     assert back.done and back.error is None and back.usage()["completion_tokens"] == 150
