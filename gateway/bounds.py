@@ -71,8 +71,10 @@ BOUNDS = (
           "own best priority or worse"),
     Bound("stop", 0, STOP_SEQUENCES, f"strings, each 1 to {STOP_CHARS} characters"),
     Bound("stop_token_ids", 0, STOP_TOKEN_IDS, "ids, each in [0, the model's vocabulary size)"),
-    Bound("prompt (token ids)", 1, PROMPT_TOKEN_IDS, "ids, each in [0, the model's vocabulary size); one "
-          "prompt per request: a list of one string or of one id list is that prompt, a batch of several is a 422"),
+    Bound("prompt (token ids)", 1, PROMPT_TOKEN_IDS, "ids, each in [0, the model's vocabulary size); a batch's "
+          "id lists hold at most as many all together"),
+    Bound("prompt (a batch: strings or id lists)", 1, N, "prompts, each with its n choices: prompts × n ≤ "
+          f"{N}; a batch of one is that prompt"),
     Bound("messages", 1, MESSAGES, "messages; content is a string or a list of text parts"),
     Bound("logprobs, prompt_logprobs (completions), top_logprobs (chat)", 0, LOGPROBS),
     Bound("user", 0, USER_CHARS, "characters"),

@@ -29,9 +29,20 @@ def completion_tokens(prompt: int, max_tokens: int | None, max_model_len: int | 
 
 def request_tokens(prompt: dict, max_tokens: int | None, n: int, max_model_len: int | None = None,
                    default_completion: int = 0) -> int:
-    """The reservation: the prompt once plus every completion's share."""
-    tokens = prompt_tokens(prompt)
-    return tokens + completion_tokens(tokens, max_tokens, max_model_len, default_completion) * n
+    """The reservation: each prompt once plus every completion's share (n of them a prompt)."""
+    total = 0
+    for one in each_prompt(prompt):
+        tokens = prompt_tokens(one)
+        total += tokens + completion_tokens(tokens, max_tokens, max_model_len, default_completion) * n
+    return total
+
+
+def each_prompt(prompt: dict) -> list[dict]:
+    """The prompts of an entry's prompt fields, each as a prompt of its own: a batched completion's
+    (`prompts`: texts or id lists), else the one."""
+    if prompt.get("prompts") is None:
+        return [prompt]
+    return [{"prompt_token_ids": p} if isinstance(p, list) else {"prompt": p} for p in prompt["prompts"]]
 
 
 def _text(text: str) -> int:

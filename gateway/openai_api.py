@@ -45,8 +45,8 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connecti
 @dataclass(frozen=True)
 class Call:
     """What `_serve` needs of one API's request: the validated body, which API it came by, the
-    prompt as the entry carries it (messages, prompt or prompt_token_ids), and what the chat
-    template is rendered with besides (tools, chat_template_kwargs)."""
+    prompt as the entry carries it (messages, prompt, prompt_token_ids or a batch's prompts), and
+    what the chat template is rendered with besides (tools, chat_template_kwargs)."""
 
     body: ChatCompletionRequest | CompletionRequest
     kind: Literal["chat", "completion"]
@@ -62,14 +62,23 @@ class Call:
 
     @classmethod
     def completion(cls, body: CompletionRequest) -> Call:
-        prompt = ({"prompt_token_ids": body.prompt} if isinstance(body.prompt, list)
-                  else {"prompt": body.prompt})
-        return cls(body, "completion", prompt)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            return cls(body, "completion", {"prompt": prompt})
+        if isinstance(prompt[0], int):
+            return cls(body, "completion", {"prompt_token_ids": prompt})
+        return cls(body, "completion", {"prompts": prompt})  # a batch: strings, or id lists
+
+    def choices(self) -> int:
+        """Choices in the answer: n, of each prompt of a batched completion."""
+        return self.body.n * (self.body.num_prompts() if self.kind == "completion" else 1)
 
     def echoes_tokens(self) -> bool:
-        """A completion that echoes a prompt of token ids: the worker sends its text (the gateway has no
-        tokenizer)."""
-        return self.kind == "completion" and self.body.echo and "prompt_token_ids" in self.prompt
+        """A completion that echoes prompts of token ids: the worker sends their text (the gateway has
+        no tokenizer)."""
+        prompts = self.prompt.get("prompts")
+        return (self.kind == "completion" and self.body.echo
+                and ("prompt_token_ids" in self.prompt or bool(prompts) and isinstance(prompts[0], list)))
 
     def include_usage(self) -> bool:
         options = self.body.stream_options
@@ -164,7 +173,7 @@ async def open_answer(request: Request, state: GatewayState, lease: Lease, call:
     lease.dispatched(body.model, handle, outcome)
     handle.on_absorbed = outcome.absorbed
     return Answer(handle, observed(handle.replies(state.settings.keepalive_s), outcome),
-                  _Shape(call.kind, entry.request_id, body.model, body.n, outputs, _Echo.of(call)),
+                  _Shape(call.kind, entry.request_id, body.model, call.choices(), outputs, _Echo.of(call)),
                   {VERSION_HEADER: version, "x-request-id": entry.request_id})
 
 
@@ -264,7 +273,7 @@ async def _write_lease(state: GatewayState, lease: Lease, answer: Answer, call: 
     try:
         parser = ((await state.registry.facts(body.model, lease.version)).tool_call_parser
                   if chat and body.tools else None)
-        spec = resume.shape_spec(call.kind, body.model, body.n, answer.shape.created, call.include_usage(),
+        spec = resume.shape_spec(call.kind, body.model, call.choices(), answer.shape.created, call.include_usage(),
                                  body.tools if chat else None, body.choice() if chat else None,
                                  body.parallel_tool_calls if chat else True, parser,
                                  answer.shape.echo.spec())
@@ -421,13 +430,15 @@ def _total_s(settings, lease: Lease) -> float:
 class _Echo:
     """What a completion gives back of its prompt: the text (echo), its tokens' logprobs before the
     choice's own (echo with logprobs, OpenAI's legacy shape), vLLM's `prompt_logprobs` field; and
-    the prompt's scores once the worker sent them (on choice 0's first delta)."""
+    the prompt's scores once the worker sent them (on the prompt's first choice's first delta). A
+    batched completion has one of each a prompt: choice i's is prompt i // `per`'s."""
 
-    text: str | None = None
+    texts: list[str] | None = None
     with_logprobs: bool = False
     vllm_field: bool = False
-    text_from_worker: bool = False  # a prompt of token ids: its text comes on the verdict (`heard`)
-    scores: list[dict] | None = None
+    text_from_worker: bool = False  # prompts of token ids: their text comes on the verdict (`heard`)
+    per: int = 1  # choices a prompt (n)
+    scores: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # prompt -> its scores
     echoed: set[int] = dataclasses.field(default_factory=set)  # choices whose prompt text went out
 
     @classmethod
@@ -436,40 +447,58 @@ class _Echo:
         if call.kind != "completion":
             return cls()
         tokens = call.echoes_tokens()
-        return cls(body.prompt if body.echo and not tokens else None, body.echo and body.logprobs is not None,
-                   body.prompt_logprobs is not None, tokens)
+        texts = None if not body.echo or tokens else [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        return cls(texts, body.echo and body.logprobs is not None, body.prompt_logprobs is not None, tokens, body.n)
 
     def spec(self) -> dict | None:
         """What a resumed stream needs of it (gateway/resume.py); None: nothing to echo. (A resumed
-        stream reads its replies from the start: the verdict brings a worker's text again.)"""
-        if self.text is None and not (self.with_logprobs or self.vllm_field or self.text_from_worker):
+        stream reads its replies from the start: the verdict brings a worker's text again.) One
+        prompt's is written as the previous release wrote it, which a gateway of that release reads."""
+        if self.texts is None and not (self.with_logprobs or self.vllm_field or self.text_from_worker):
             return None
-        spec = {"text": self.text, "with_logprobs": self.with_logprobs, "vllm_field": self.vllm_field}
-        # (named only when set: a gateway of the previous release resumes every other stream's echo)
-        return spec | {"text_from_worker": True} if self.text_from_worker else spec
-
-    def heard(self, reply: protocol.Delta) -> None:
-        """The prompt's text, from the verdict of a request whose prompt came as token ids."""
-        if self.text_from_worker and reply.prompt_text is not None:
-            self.text = reply.prompt_text
+        spec = {"with_logprobs": self.with_logprobs, "vllm_field": self.vllm_field}
+        if self.text_from_worker or self.per != 1 or (self.texts is not None and len(self.texts) != 1):
+            return spec | {"texts": self.texts, "text_from_worker": self.text_from_worker, "per": self.per}
+        return spec | {"text": self.texts[0] if self.texts else None}
 
     @classmethod
     def from_spec(cls, spec: dict | None) -> _Echo:
-        return cls(**spec) if spec else cls()
+        if not spec:
+            return cls()
+        if "text" in spec:  # one prompt's
+            text = spec["text"]
+            spec = {name: value for name, value in spec.items() if name != "text"} | {
+                "texts": None if text is None else [text]}
+        return cls(**spec)
+
+    def heard(self, reply: protocol.Delta) -> None:
+        """The prompts' text, from the verdict of a request whose prompts came as token ids."""
+        if self.text_from_worker and reply.prompt_texts is not None:
+            self.texts = reply.prompt_texts
+
+    def scored(self, reply: protocol.Delta) -> None:
+        """A prompt's scores, from its first choice's first delta."""
+        if reply.prompt_logprobs is not None:
+            self.scores[reply.index // self.per] = reply.prompt_logprobs
+
+    def text(self, index: int) -> str:
+        """The echoed text before choice `index`'s own ("" without echo)."""
+        return self.texts[index // self.per] if self.texts is not None else ""
 
     def text_of(self, index: int, text: str) -> str:
         """A streamed choice's text: its first chunk starts with the prompt."""
-        if self.text is None or index in self.echoed:
+        if self.texts is None or index in self.echoed:
             return text
         self.echoed.add(index)
-        return self.text + text
+        return self.text(index) + text
 
-    def logprobs(self, lps: list | None, made: Callable[[dict], Any] | None = None) -> list | None:
-        """The prompt's entries (the first has no logprob: nothing predicts it) before `lps`; each
-        `made` into the shape `lps` already has, when given."""
-        if not self.with_logprobs or self.scores is None:
+    def logprobs(self, index: int, lps: list | None, made: Callable[[dict], Any] | None = None) -> list | None:
+        """The prompt's entries (the first has no logprob: nothing predicts it) before choice `index`'s
+        `lps`; each `made` into the shape `lps` already has, when given."""
+        scores = self.scores.get(index // self.per)
+        if not self.with_logprobs or scores is None:
             return lps
-        return (self.scores if made is None else [made(e) for e in self.scores]) + (lps or [])
+        return (scores if made is None else [made(e) for e in scores]) + (lps or [])
 
     def vllm(self, scores: list[dict] | None) -> list | None:
         """vLLM's shape: per prompt token None or {token id: {logprob, rank, decoded_token}} for
@@ -525,9 +554,8 @@ class _Shape:
                 return None
             return {"index": d.index, "delta": delta, "logprobs": _chat_logprobs(d.logprobs),
                     "finish_reason": out.finish_reason(d.finish_reason)}
-        if d.prompt_logprobs is not None:
-            self.echo.scores = d.prompt_logprobs
-        lps = self.echo.logprobs(d.logprobs) if d.index not in self.echo.echoed else d.logprobs
+        self.echo.scored(d)
+        lps = self.echo.logprobs(d.index, d.logprobs) if d.index not in self.echo.echoed else d.logprobs
         choice = {"index": d.index, "text": self.echo.text_of(d.index, d.text),
                   "logprobs": _text_logprobs(lps), "finish_reason": d.finish_reason}
         if self.echo.vllm_field and d.prompt_logprobs is not None:
@@ -561,11 +589,11 @@ class _Shape:
     def _text_choice(self, i: int, text: str, entries: list | None, reason: str | None) -> dict:
         """A whole completion choice: the echoed prompt (and its logprobs) first."""
         echo = self.echo
-        entries = echo.logprobs(entries, _text_entry)
-        choice = {"index": i, "text": (echo.text or "") + text,
+        entries = echo.logprobs(i, entries, _text_entry)
+        choice = {"index": i, "text": echo.text(i) + text,
                   "logprobs": None if entries is None else _text_shape(entries), "finish_reason": reason}
         if echo.vllm_field:
-            choice["prompt_logprobs"] = echo.vllm(echo.scores)
+            choice["prompt_logprobs"] = echo.vllm(echo.scores.get(i // echo.per))
         return choice
 
 
@@ -640,8 +668,7 @@ async def _collect(replies: AsyncIterator, shape: _Shape, max_logprobs: int) -> 
                         "it with stream: true, or ask for fewer tokens, choices or top_logprobs",
                         code="answer_too_large")
                 logprobs.setdefault(reply.index, []).extend(map(shape.entry, reply.logprobs))
-            if reply.prompt_logprobs is not None:
-                shape.echo.scores = reply.prompt_logprobs
+            shape.echo.scored(reply)
             if reply.finish_reason:
                 reasons[reply.index] = reply.finish_reason
         elif isinstance(reply, protocol.Done):

@@ -186,9 +186,14 @@ class ChatCompletionRequest(_Sampling):
         return {**super()._respelled(), "logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
 
+TokenIds = Annotated[list[TokenId], Field(max_length=b.PROMPT_TOKEN_IDS, fail_fast=True)]
+
+
 class CompletionRequest(_Sampling):
-    prompt: Union[str, Annotated[list[TokenId], Field(max_length=b.PROMPT_TOKEN_IDS, fail_fast=True)],
-                   Annotated[list[str], Field(fail_fast=True)]]
+    # one prompt, as text or token ids, or OpenAI's batch of them (a list of strings or of id lists):
+    # each prompt with its n choices, prompt p's at p*n .. p*n+n-1
+    prompt: Union[str, TokenIds, Annotated[list[str], Field(max_length=b.N, fail_fast=True)],
+                  Annotated[list[TokenIds], Field(max_length=b.N, fail_fast=True)]]
     logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
     echo: StrictBool = False  # the prompt comes back before each choice's text (and its logprobs, with logprobs)
     # vLLM's: each prompt token's logprob and rank plus the top-k, in each choice's `prompt_logprobs`
@@ -203,7 +208,7 @@ class CompletionRequest(_Sampling):
         """(`prompt`, `logprobs`, `stream` and `n` are validated before `echo`.) A prompt of token ids
         is echoed as the worker's tokenizer writes it (the entry's echo_prompt)."""
         if v and info.data.get("logprobs") is not None and info.data.get("stream") and info.data.get("n", 1) > 1:
-            raise ValueError("echo with logprobs streams one choice (the prompt is scored once); "
+            raise ValueError("echo with logprobs streams one choice a prompt (each prompt is scored once); "
                              "send n=1 or stream=false")
         return v
 
@@ -220,21 +225,32 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_token_prompt(cls, v):
-        """A list of token-id lists is OpenAI's batch of tokenized prompts: one is that prompt (as a
-        list of one string is), several are refused as batched strings are."""
-        if isinstance(v, list) and v and isinstance(v[0], list):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
+        """A batch of one token-id list is that prompt (read as one, so its bad id is named as one's)."""
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list):
             return v[0]
         return v
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
-        if isinstance(v, list) and v and isinstance(v[0], str):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported; send one prompt per request")
-            return v[0]
+    def _batch(cls, v, info: ValidationInfo):
+        """A batch of one string is that prompt; a batch's choices (prompts × n) are bounded as n is,
+        and its token ids all together as one prompt's. (`n` is validated before `prompt`.)"""
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be empty")
+        if not (isinstance(v, list) and isinstance(v[0], (str, list))):
+            return v
+        if len(v) == 1 and isinstance(v[0], str):
+            return v[0]
+        n = info.data.get("n") or 1
+        if len(v) * n > b.N:
+            raise ValueError(f"{len(v)} prompts × n ({n}) = {len(v) * n} choices; at most {b.N} a request")
+        if isinstance(v[0], list) and sum(map(len, v)) > b.PROMPT_TOKEN_IDS:
+            raise ValueError(f"the batch's prompts hold {sum(map(len, v))} token ids; at most "
+                             f"{b.PROMPT_TOKEN_IDS} a request")
+        if isinstance(v[0], list) and not all(v):  # (an empty string is a prompt: of BOS, or refused by the worker)
+            raise ValueError(f"prompt {next(i for i, p in enumerate(v) if not p)} of the batch has no token ids")
         return v
+
+    def num_prompts(self) -> int:
+        """How many prompts: a batch's, else 1."""
+        return len(self.prompt) if isinstance(self.prompt, list) and isinstance(self.prompt[0], (str, list)) else 1

@@ -5,6 +5,7 @@ worker checks them again, for entries that did not come through this code (an ol
 takeover)."""
 from __future__ import annotations
 
+from gateway.estimate import each_prompt
 from gateway.keys import KeyRecord
 from shared import protocol
 from shared.errors import ContextLengthExceeded, InvalidRequest, Overloaded, PermissionDenied
@@ -26,15 +27,16 @@ def check_token_ids(vocab_size: int | None, prompt: dict, stop_token_ids: list[i
     """400 naming the first id outside [0, vocab_size), before anything is queued."""
     if vocab_size is None:
         return
-    for param, ids in (("prompt", prompt.get("prompt_token_ids") or ()), ("stop_token_ids", stop_token_ids),
-                       ("logit_bias", list(logit_bias or ()))):
+    prompts = [(f"prompt {i}" if "prompts" in prompt else "prompt", one.get("prompt_token_ids") or ())
+               for i, one in enumerate(each_prompt(prompt))]
+    for param, ids in (*prompts, ("stop_token_ids", stop_token_ids), ("logit_bias", list(logit_bias or ()))):
         if not ids or 0 <= min(ids) and max(ids) < vocab_size:  # in C: a prompt may be 2^20 ids
             continue
         for position, token in enumerate(ids):
             if not 0 <= token < vocab_size:
                 raise InvalidRequest(
                     f"{param} token id {token} at position {position} is outside this model's "
-                    f"vocabulary [0, {vocab_size})", param=param, code="invalid_token_id")
+                    f"vocabulary [0, {vocab_size})", param=param.partition(" ")[0], code="invalid_token_id")
 
 
 def check_context(max_model_len: int | None, max_tokens: int | None, prompt: dict) -> None:
@@ -46,12 +48,13 @@ def check_context(max_model_len: int | None, max_tokens: int | None, prompt: dic
         raise ContextLengthExceeded(
             f"max_tokens is {max_tokens}, but this model's maximum context length is "
             f"{max_model_len} tokens", param="max_tokens")
-    ids = prompt.get("prompt_token_ids")
-    if ids is not None and len(ids) + max_tokens > max_model_len:
-        raise ContextLengthExceeded(
-            f"This model's maximum context length is {max_model_len} tokens, but you requested "
-            f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
-            f"completion)", param="max_tokens")
+    for one in each_prompt(prompt):
+        ids = one.get("prompt_token_ids")
+        if ids is not None and len(ids) + max_tokens > max_model_len:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {max_model_len} tokens, but you requested "
+                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                f"completion)", param="max_tokens")
 
 
 def check_peer_features(entry: protocol.RequestEntry, schema: int | None) -> None:

@@ -76,6 +76,9 @@ class RequestEntry(BaseModel):
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, given to the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}
     prompt_token_ids: list[int] | None = None  # a detokenize entry's tokens
+    # v8: a batched completion's prompts (texts, or token ids), each with its n choices: prompt p's are
+    # p*n .. p*n+n-1 (OpenAI's order); `prompt` and `prompt_token_ids` then unset
+    prompts: list[str] | list[list[int]] | None = None
     render: RenderOptions | None = None  # v5: a tokenize entry's options
     params: WireParams = Field(default_factory=WireParams)
     created: float
@@ -91,8 +94,8 @@ class RequestEntry(BaseModel):
     # v7: the MODEL_DEFAULTS the client left out: the worker may take them from the model folder's
     # generation_config.json (worker/model_defaults.py); an older worker keeps OpenAI's defaults
     from_model: list[str] | None = None
-    # v8: the prompt's text comes back on the admission verdict (`Delta.prompt_text`): a completion that
-    # echoes a prompt sent as token ids, which only the worker's tokenizer can write as text
+    # v8: the prompts' text comes back on the admission verdict (`Delta.prompt_texts`): a completion that
+    # echoes prompts sent as token ids, which only the worker's tokenizer can write as text
     echo_prompt: bool = False
 
     def sampling_params(self, model_defaults: dict | None = None, **when_absent) -> SamplingParams:
@@ -121,7 +124,7 @@ class Delta(BaseModel):
     # v4: on a request's first delta of choice 0, one entry per prompt token (logprob None: unscored)
     prompt_logprobs: list[dict[str, Any]] | None = None
     token_strs: list[str] | None = None  # v5: a tokenize answer's tokens as its tokenizer spells them
-    prompt_text: str | None = None  # v8: on the admission verdict of an entry with echo_prompt
+    prompt_texts: list[str] | None = None  # v8: one a prompt, on the admission verdict of an entry with echo_prompt
     finish_reason: str | None = None
 
 
@@ -166,12 +169,12 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     5: {"request": frozenset({"render", "weight"}), "delta": frozenset({"token_strs"})},
     6: {"request": frozenset({"streamed"})},
     7: {"request": frozenset({"from_model"})},
-    8: {"request": frozenset({"echo_prompt"}), "delta": frozenset({"prompt_text"})},
+    8: {"request": frozenset({"prompts", "echo_prompt"}), "delta": frozenset({"prompt_texts"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
 NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
-                         "prompt_logprobs": 4, "tokenize": 5, "echo": 8}
+                         "prompt_logprobs": 4, "tokenize": 5, "echo": 8, "batched prompts": 8}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
@@ -180,7 +183,7 @@ def missing_features(entry: RequestEntry, version: int) -> list[str]:
             "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias,
             "prompt_logprobs": entry.params.prompt_logprobs is not None,
             "tokenize": entry.kind in TOKENIZER_KINDS,  # an older worker cannot read the kind
-            "echo": entry.echo_prompt}
+            "echo": entry.echo_prompt, "batched prompts": entry.prompts is not None}
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

@@ -25,6 +25,7 @@ from shared.settings import WorkerSettings
 from worker import checkpoint, tokenizer_kinds
 from worker.cancels import HeardCancels, added_at
 from worker.consumer import PendingEntry
+from worker.engine.base import prompts_of
 from worker.engine.types import EngineRejected, Resume, SamplingParams
 from worker.faults import Faults
 from worker.inflight import Active, InFlight
@@ -200,24 +201,27 @@ class Admission:
                prompt: Callable[[], list[int]]) -> None:
         rid = entry.request_id
         prompt_ids = prompt()
+        prompts = prompts_of(prompt_ids)  # a batched completion's several
         self.faults.crash_if_marked(entry.prompt, entry.messages)
-        room = self.engine.max_model_len - len(prompt_ids)
+        longest = max(map(len, prompts))
+        room = self.engine.max_model_len - longest  # without max_tokens: what the longest prompt leaves
         if room < 1 and entry.params.max_tokens is None:  # the engine's words would name a max_tokens of 1
-            raise EngineRejected(f"the prompt ({len(prompt_ids)} tokens) leaves no room for a reply within "
+            raise EngineRejected(f"the prompt ({longest} tokens) leaves no room for a reply within "
                                  f"max_model_len of {self.engine.max_model_len} tokens (at least 1 token is "
                                  "generated; the request set no max_tokens)")
+        prompt_tokens = sum(map(len, prompts))
         params = to_sampling_params(entry, room, self.model_defaults)
         resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
         self.engine.add_request(rid, prompt_ids, params, resume, tenant=p.claim.tenant or None)
         self.outbox.logs.start(rid, ckpt.size)
-        self.metrics.admitted(entry, len(prompt_ids), resumed=p.times_delivered > 0)
+        self.metrics.admitted(entry, prompt_tokens, resumed=p.times_delivered > 0)
         act = self.inflight.add(rid, Active(
-            p.entry_id, entry.reply_channel, entry.params.n, len(prompt_ids), seq=ckpt.last_seq,
+            p.entry_id, entry.reply_channel, entry.params.n * len(prompts), prompt_tokens, seq=ckpt.last_seq,
             finished=set(ckpt.finished), completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
             stream=p.stream, version=entry.v, deadline=entry.deadline,
             splits=self._splits(entry, prompt_ids, ckpt), streamed=entry.streamed,
             sent_token=any(ckpt.tokens.values()),
-            prompt_text=self._prompt_text(entry, prompt_ids) if ckpt.empty else None))
+            prompt_texts=self._prompt_texts(entry, prompts) if ckpt.empty else None))
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
@@ -249,16 +253,18 @@ class Admission:
 
         if entry.prompt_token_ids is not None:
             return list(entry.prompt_token_ids)
+        if entry.prompts is not None:  # a batched completion's
+            return [list(p) if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in entry.prompts]
         if entry.kind == "chat":
             return render_chat(self.tokenizer, entry.messages or [], entry.tools, entry.chat_template_kwargs)
         return encode_prompt(self.tokenizer, entry.prompt or "")
 
-    def _prompt_text(self, entry: protocol.RequestEntry, prompt_ids: list[int]) -> str | None:
-        """A token-id prompt as text, for a completion that echoes it (its special tokens kept, as the
-        prompt holds them); a text prompt the gateway echoes itself."""
-        if not entry.echo_prompt or entry.prompt_token_ids is None:
+    def _prompt_texts(self, entry: protocol.RequestEntry, prompts: list[list[int]]) -> list[str] | None:
+        """Token-id prompts as text, for a completion that echoes them (their special tokens kept, as
+        the prompts hold them; the gateway asks only for those: text prompts it echoes itself)."""
+        if not entry.echo_prompt:
             return None
-        return self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        return [self.tokenizer.decode(ids, skip_special_tokens=False) for ids in prompts]
 
     def _splits(self, entry: protocol.RequestEntry, prompt_ids: list[int],
                 ckpt: checkpoint.Checkpoint) -> dict[int, ThinkingSplit] | None:

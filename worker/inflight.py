@@ -42,7 +42,7 @@ class Active:
     streamed: bool = True  # False: its replies may be held (worker/held.py)
     sent_token: bool = False  # a delta with tokens went out
     held: Held | None = None
-    prompt_text: str | None = None  # goes out on the verdict (an entry's echo_prompt)
+    prompt_texts: list[str] | None = None  # go out on the verdict (an entry's echo_prompt)
 
     def next_seq(self) -> int:
         self.seq += 1
@@ -141,8 +141,8 @@ class InFlight:
 
     @staticmethod
     def _verdict(request_id: str, act: Active) -> protocol.Delta:
-        prompt_text, act.prompt_text = act.prompt_text, None  # (a verdict goes out once: kept no longer)
-        return protocol.Delta(request_id=request_id, seq=0, prompt_text=prompt_text)
+        texts, act.prompt_texts = act.prompt_texts, None  # (a verdict goes out once: kept no longer)
+        return protocol.Delta(request_id=request_id, seq=0, prompt_texts=texts)
 
     def _release(self, request_id: str, act: Active, index: int | None = None) -> None:
         """Send what `act` holds of choice `index` (None: of every choice) as one delta each, after

@@ -168,3 +168,43 @@ def test_a_prompt_of_token_ids_is_echoed_as_the_tokenizer_writes_it(stack, tiny_
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
     assert sorted(texts) == [0, 1] and all(t.startswith(text) and len(t) > len(text) for t in texts.values())
+
+
+def test_a_batch_of_prompts_answers_each_as_alone_in_openais_order(stack, tiny_model_dir):
+    """OpenAI's batched completion (a list of prompts): prompt p's n choices are p*n .. p*n+n-1, each
+    the answer the prompt gets alone (greedy), whole or streamed, its echo and logprobs its own prompt's;
+    the usage is the prompts' together, and the key's token budget is reserved for all of them."""
+    from openai import OpenAI, RateLimitError
+    from transformers import AutoTokenizer
+
+    client = OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
+    texts = ["one two three", "The river runs", "a"]
+    greedy = {"model": "demo", "max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    alone = [client.completions.create(prompt=t, **greedy) for t in texts]
+    batch = client.completions.create(prompt=texts, n=2, **greedy)
+    assert [c.index for c in batch.choices] == list(range(6))
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 6 * 4
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(prompt=texts, stream=True, **greedy):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {i: a.choices[0].text for i, a in enumerate(alone)}
+    # lm-evaluation-harness's batched loglikelihood: token ids, echoed with their logprobs
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    lm_eval = {"model": "demo", "temperature": 0, "max_tokens": 1, "logprobs": 1, "echo": True}
+    scored = client.completions.create(prompt=ids, **lm_eval)
+    for p, choice in enumerate(scored.choices):
+        one = client.completions.create(prompt=[ids[p]], **lm_eval).choices[0]
+        assert choice.index == p and choice.text == one.text and choice.text.startswith(texts[p])
+        assert choice.logprobs.tokens == one.logprobs.tokens and len(choice.logprobs.tokens) == len(ids[p]) + 1
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(one.logprobs.token_logprobs[1:], abs=1e-5)
+    one = len(ids[1]) + 2
+    _, tight = _key(stack, tpm=4 * one)  # one prompt's reservation fits, twice over; sixteen's do not
+    small = OpenAI(base_url=stack.url + "/v1", api_key=tight, max_retries=0)
+    assert small.completions.create(prompt=[ids[1]], model="demo", max_tokens=2).usage.prompt_tokens == len(ids[1])
+    with pytest.raises(RateLimitError):
+        small.completions.create(prompt=[ids[1]] * 16, model="demo", max_tokens=2)
+    assert small.completions.create(prompt=[ids[1]] * 2, model="demo", max_tokens=2).usage.total_tokens == 2 * one

@@ -61,11 +61,18 @@ class ModelFacts:
         """Rows of the embedding: the token ids the model accepts are [0, vocab_size)."""
         return self._vocab_size
 
-    def check_request(self, prompt_ids: list[int], params: SamplingParams,
-                      resume: Resume | None = None) -> int:
-        """Reject what could never run or could crash the engine, naming the number and its limit;
-        return prompt + max_tokens."""
-        self._check_ids("prompt token id", prompt_ids, "prompt")
+    def check_request(self, prompt_ids: list[int] | list[list[int]], params: SamplingParams,
+                      resume: Resume | None = None) -> None:
+        """Reject what could never run or could crash the engine, naming the number and its limit.
+        `prompt_ids`: one prompt, or a batched completion's prompts (`prompts_of`)."""
+        prompts = prompts_of(prompt_ids)
+        if len(prompts) * params.n > MAX_N:
+            raise EngineRejected(f"{len(prompts)} prompts x n ({params.n}) = {len(prompts) * params.n} choices; "
+                                 f"at most {MAX_N} a request (each is a sequence with its own KV)",
+                                 "invalid_request", "prompt")
+        for index, prompt in enumerate(prompts):
+            self._check_ids("prompt token id" if len(prompts) == 1 else f"prompt {index}'s token id", prompt,
+                            "prompt")
         self._check_ids("stop_token_ids value", params.stop_token_ids, "stop_token_ids")
         for index, ids in (resume.output_ids.items() if resume else ()):
             self._check_ids(f"token id resumed for choice {index}", ids, None, code="resume_failed")
@@ -77,8 +84,9 @@ class ModelFacts:
         if params.prompt_logprobs is not None and not self.scores_prompts:
             raise EngineRejected(f"prompt_logprobs need the paged engine; this worker runs "
                                  f"{type(self).__name__}", "invalid_request", "prompt_logprobs")
-        _check_prompt_scores(len(prompt_ids), params)
-        return self._check_context(prompt_ids, params)
+        _check_prompt_scores([len(prompt) for prompt in prompts], params)
+        for prompt in prompts:
+            self._check_context(prompt, params)
 
     def _check_logit_bias(self, bias: dict[int, float]) -> None:
         for token, value in bias.items():
@@ -96,7 +104,7 @@ class ModelFacts:
                 raise EngineRejected(f"{what} {token} at position {position} is outside this model's "
                                      f"vocabulary [0, {self._vocab_size})", code, param)
 
-    def _check_context(self, prompt_ids: list[int], params: SamplingParams) -> int:
+    def _check_context(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise EngineRejected("the prompt has 0 tokens; at least 1 is needed", "invalid_request", "prompt")
         total = len(prompt_ids) + params.max_tokens
@@ -104,13 +112,21 @@ class ModelFacts:
             raise EngineRejected(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds max_model_len of {self._max_model_len} tokens")
-        return total
 
 
-def _check_prompt_scores(prompt_tokens: int, p: SamplingParams) -> None:
+def prompts_of(prompt_ids: list[int] | list[list[int]]) -> list[list[int]]:
+    """A request's prompts: one prompt's ids, or a batched completion's list of prompts (prompt p's
+    choices are p*n .. p*n+n-1, OpenAI's order)."""
+    return prompt_ids if prompt_ids and isinstance(prompt_ids[0], list) else [prompt_ids]
+
+
+def _check_prompt_scores(lengths: list[int], p: SamplingParams) -> None:
+    """The prompts' scores of one request are held and sent together: bounded all together."""
     if p.prompt_logprobs is None:
         return
-    scored = max(prompt_tokens - max((p.prompt_logprobs_start or 0) - 1, 0) - 1, 0)  # as Sequence scores
+    prompt_tokens = sum(lengths)
+    # as Sequence scores: from prompt_logprobs_start on, never the first token
+    scored = sum(max(n - max((p.prompt_logprobs_start or 0) - 1, 0) - 1, 0) for n in lengths)
     size = prompt_tokens * 130 + scored * p.prompt_logprobs * 50
     if size > MAX_PROMPT_SCORES_BYTES:
         raise EngineRejected(

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from pathlib import Path
 
-from worker.engine.base import ModelFacts, log, request_error, step_error
+from worker.engine.base import ModelFacts, log, prompts_of, request_error, step_error
 from worker.engine.block_pool import BlockPool
 from worker.engine.compiling import CompilingRequests
 from worker.engine.config import EngineConfig
@@ -60,11 +60,12 @@ class LLMEngine(ModelFacts):
     def from_model_dir(cls, model_dir: str | Path, **overrides) -> LLMEngine:
         return cls(EngineConfig(model_dir=str(model_dir), **overrides))
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+    def add_request(self, request_id: str, prompt_ids: list[int] | list[list[int]], params: SamplingParams,
                     resume: Resume | None = None, tenant: str | None = None) -> None:
         """All or nothing: the sequences are built (and a resumed one's tokens replayed) before any
         enters the scheduler, so a request that raises here leaves no trace in the engine. `tenant`
-        (the key the worker read from the entry) takes its turn for a grammar compile."""
+        (the key the worker read from the entry) takes its turn for a grammar compile. `prompt_ids`:
+        one prompt, or a batched completion's prompts, each with its n choices (base.prompts_of)."""
         # Nothing is reserved: blocks are allocated as the sequence grows, preemption handles
         # pressure, and start-up sized max_model_len to what the pool holds, so whatever passes
         # the context check (a request without max_tokens: the rest of the context) can run.
@@ -74,8 +75,9 @@ class LLMEngine(ModelFacts):
         spec = params.structured_outputs
         grammar = self.grammars.submit(spec, tenant) if spec is not None else None  # refuses an oversized spec
         resume = resume or Resume()
-        seqs = [Sequence(request_id, i, prompt_ids, params) for i in range(params.n)
-                if i not in resume.finished]
+        seqs = [Sequence(request_id, p * params.n + i, prompt, params)
+                for p, prompt in enumerate(prompts_of(prompt_ids)) for i in range(params.n)
+                if p * params.n + i not in resume.finished]
         for seq in seqs:
             seq.detokenizer = IncrementalDetokenizer(
                 self._tokenizer, seq.prompt_ids, params.stop, params.include_stop_str_in_output, params.min_tokens)

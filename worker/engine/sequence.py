@@ -33,9 +33,10 @@ class Sequence:
         self.num_registered_blocks = 0  # leading blocks already offered to the prefix cache
         self.detokenizer = None  # set by the engine
         self.constraint = None  # its grammar state (constraint.py), set once the grammar compiled
-        # prompt position -> its logprob while the prompt is scored (choice 0 of a request with
-        # prompt_logprobs, until its first token reports them); None: nothing (more) to score
-        self.prompt_scores: dict | None = {} if index == 0 and params.prompt_logprobs is not None else None
+        # prompt position -> its logprob while the prompt is scored (a prompt's first choice, in a
+        # request with prompt_logprobs, until its first token reports them); None: nothing (more) to score
+        first = index % params.n == 0
+        self.prompt_scores: dict | None = {} if first and params.prompt_logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

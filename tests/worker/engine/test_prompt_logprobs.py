@@ -104,3 +104,41 @@ def test_what_one_reply_would_carry_is_bounded(model_dir, monkeypatch):
         late = SamplingParams(max_tokens=1, prompt_logprobs=20, prompt_logprobs_start=1500)
         scores = llm.generate([prompt], late)[0].prompt_logprobs  # 1900 × 130 + 400 × 20 × 50 bytes
         assert sum(s is not None for s in scores) == 400 and len(scores) == 1900
+
+
+def test_a_batch_of_prompts_is_each_prompt_with_its_own_choices_and_scores(model_dir, reference, random_prompts):
+    """A batched completion is one request: prompt p's n choices are p*n .. p*n+n-1, each prompt's
+    first choice carries its own prompt's scores, and greedy choices are the prompt's alone."""
+    prompts = random_prompts(3, 9, 30, seed=11)
+    params = SamplingParams(max_tokens=4, temperature=0, n=2, prompt_logprobs=2, ignore_eos=True)
+    llm = LLM(model_dir, block_size=8, dtype="float32")
+    alone = llm.generate(prompts, params)
+    engine = llm.engine
+    engine.add_request("batch", prompts, params)
+    outputs: dict[int, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            assert out.request_id == "batch" and out.error is None
+            outputs.setdefault(out.index, []).append(out)
+    assert sorted(outputs) == list(range(6))
+    for index, outs in outputs.items():
+        p, first = divmod(index, 2)
+        assert [t for o in outs for t in o.new_token_ids] == alone[p].outputs[first].token_ids
+        scores = [o.prompt_logprobs for o in outs if o.prompt_logprobs is not None]
+        if first == 0:
+            assert [o.prompt_token_ids for o in outs if o.prompt_logprobs is not None] == [prompts[p]]
+            check(prompts[p], scores[0], reference(prompts[p]), 2)
+        else:
+            assert scores == []
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_a_batch_is_bounded_by_its_choices_and_each_prompt_checked(model_dir):
+    llm = LLM(model_dir)
+    with pytest.raises(EngineRejected, match=r"9 prompts x n \(2\) = 18 choices; at most 16"):
+        llm.engine.add_request("r", [[5, 6]] * 9, SamplingParams(n=2))
+    with pytest.raises(EngineRejected, match="prompt 1's token id 999999 at position 1"):
+        llm.engine.add_request("r", [[5, 6], [5, 999999]], SamplingParams())
+    with pytest.raises(EngineRejected, match="the prompt has 0 tokens"):
+        llm.engine.add_request("r", [[5, 6], []], SamplingParams())
+    assert not llm.engine.has_unfinished()
