@@ -191,9 +191,10 @@ TokenIds = Annotated[list[TokenId], Field(max_length=b.PROMPT_TOKEN_IDS, fail_fa
 
 class CompletionRequest(_Sampling):
     # one prompt, as text or token ids, or OpenAI's batch of them (a list of strings or of id lists):
-    # each prompt with its n choices, prompt p's at p*n .. p*n+n-1
-    prompt: Union[str, TokenIds, Annotated[list[str], Field(max_length=b.N, fail_fast=True)],
-                  Annotated[list[TokenIds], Field(max_length=b.N, fail_fast=True)]]
+    # each prompt with its n choices, prompt p's at p*n .. p*n+n-1. (A batch's count is checked by
+    # `_batch`: a bound here would fail its branch, and the union would name another branch's error.)
+    prompt: Union[str, TokenIds, Annotated[list[str], Field(fail_fast=True)],
+                  Annotated[list[TokenIds], Field(fail_fast=True)]]
     logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
     echo: StrictBool = False  # the prompt comes back before each choice's text (and its logprobs, with logprobs)
     # vLLM's: each prompt token's logprob and rank plus the top-k, in each choice's `prompt_logprobs`
