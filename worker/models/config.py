@@ -29,14 +29,22 @@ StableLM 2 worker/models/stablelm.py's (biased LayerNorms, a quarter of each hea
 per-head q/k LayerNorms and parallel residuals where it says); Hunyuan dense Llama's with q/k normed
 per head after RoPE (`qk_norm_after_rope`), its "dynamic" RoPE with an alpha read as plain RoPE on a
 stretched base (worker/models/hunyuan.py names its norms); Apertus worker/models/apertus.py's (a
-non-gated xIELU MLP, q/k normed per head, Llama 3's RoPE on a base of 12M where it says nothing).
-One thing caps the context served below the model's (`ModelConfig.context_cap`), where the model
+non-gated xIELU MLP, q/k normed per head, Llama 3's RoPE on a base of 12M where it says nothing);
+Llama 4 (its text model, from Llama4ForCausalLM and Llama4ForConditionalGeneration folders) Llama's
+with RoPE by adjacent pairs, q/k normed per head without weights after RoPE in the rotated layers
+only (`qk_norm` "weightless"), every fourth layer unrotated with its queries scaled by position
+(`attn_temperature`), and experts in some layers, their inputs scaled by sigmoid weights, beside a
+shared expert (worker/models/moe.py's InputScaledMoE).
+Two things cap the context served below the model's (`ModelConfig.context_cap`), where the model
 computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE),
 whose short factors hold up to the original context and whose long ones, past it, would change every
-position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the
+position's rotation at once — which neither a paged cache nor a prefix cache can follow; and Llama 4's
+chunked attention (`attention_chunk`: its rotated layers attend only within chunks of 8,192 tokens),
+which within one chunk is causal attention, and past it a mask no attention path here computes. What the
 module cannot compute (partial rotary embeddings outside Phi-3, GLM and StableLM, an activation other
 than its family's, dynamic NTK RoPE, an attention soft-cap outside Gemma 2, a quantized checkpoint
-other than FP8 weights and gpt-oss's MXFP4 experts) is refused here, by name."""
+other than FP8 weights, GPTQ's, AWQ's and compressed-tensors' int4 and int8 weights, and gpt-oss's MXFP4
+experts) is refused here, by name; the quantized ones read are dequantized as they load."""
 from __future__ import annotations
 
 import json
@@ -58,12 +66,15 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Ernie4_5ForCausalLM": "ernie4_5", "Exaone4ForCausalLM": "exaone4",
                  "SeedOssForCausalLM": "seed_oss", "ArceeForCausalLM": "arcee",
                  "Starcoder2ForCausalLM": "starcoder2", "StableLmForCausalLM": "stablelm",
-                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ApertusForCausalLM": "apertus"}
+                 "HunYuanDenseV1ForCausalLM": "hunyuan_v1_dense", "ApertusForCausalLM": "apertus",
+                 "Llama4ForCausalLM": "llama4"}
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
-# sequence exactly as plain RoPE does (its three position axes are equal there).
+# sequence exactly as plain RoPE does (its three position axes are equal there). Llama 4's text_config
+# is read as it stands (`_text_part`).
 MULTIMODAL = {"Gemma3ForConditionalGeneration": "gemma3", "Mistral3ForConditionalGeneration": "mistral3",
-              "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl"}
+              "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Qwen3VLForConditionalGeneration": "qwen3_vl",
+              "Llama4ForConditionalGeneration": "llama4"}
 TEXT_MODELS = {"gemma3_text": "gemma3", "mistral": "mistral", "ministral3": "ministral3", "qwen2_5_vl_text": "qwen2",
                "qwen3_vl_text": "qwen3"}
 QWEN2, QWEN3 = ("qwen2", "qwen2_moe"), ("qwen3", "qwen3_moe")  # a family's dense and sparse models
@@ -71,7 +82,7 @@ GEMMA = ("gemma2", "gemma3")  # worker/models/gemma.py's four norms a layer (Gem
 OLMO = ("olmo2", "olmo3")  # worker/models/olmo.py; OLMoE is Llama's with their q/k norms
 GLM = ("glm", "glm4")
 COHERE = ("cohere", "cohere2")  # worker/models/cohere.py
-PAIRWISE_ROPE = (*GLM, *COHERE, "ernie4_5")  # RoPE by adjacent pairs (2i, 2i + 1), not halves
+PAIRWISE_ROPE = (*GLM, *COHERE, "ernie4_5", "llama4")  # RoPE by adjacent pairs (2i, 2i + 1), not halves
 GRANITES = ("granite", "granitemoe", "granitemoeshared")  # Granite's four scalars, dense and sparse
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")  # worker/models/deepseek.py: multi-head latent attention
 HALF_ROTARY = (*GLM, "glm4_moe")  # where the config says nothing, half of each head rotates
@@ -79,7 +90,7 @@ HALF_ROTARY = (*GLM, "glm4_moe")  # where the config says nothing, half of each 
 PARTIAL_ROTARY = ("phi3", *HALF_ROTARY, "stablelm")
 # families whose transformers model attends the whole sequence whatever sliding_window says
 NO_WINDOW = ("llama", "olmo", "olmo2", "olmoe", "gemma", *GLM, "glm4_moe", "cohere", "granitemoe", "granitemoeshared",
-             "ernie4_5", "seed_oss", "arcee", "stablelm", "hunyuan_v1_dense", "apertus")
+             "ernie4_5", "seed_oss", "arcee", "stablelm", "hunyuan_v1_dense", "apertus", "llama4")
 TWO_ROPES = ("gemma3", "olmo3")  # sliding layers rotated by a RoPE of their own
 GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
@@ -96,7 +107,8 @@ class MoeConfig:
     dtype except in Mixtral; "top_k_softmax" (Granite) a softmax over the top k's logits;
     "grouped_sigmoid" (GLM-4.5, DeepSeek-V3) sigmoid scores, chosen with a correction bias among the best
     groups; "group_limited_softmax" (DeepSeek-V2) a softmax's top k, among the best groups where it has them;
-    "sparsemixer" (Phi-3.5-MoE) two picks, each weighted by a softmax over the scores near it."""
+    "sparsemixer" (Phi-3.5-MoE) two picks, each weighted by a softmax over the scores near it;
+    "sigmoid_inputs" (Llama 4) the top k logits' sigmoids, each scaling its expert's input, not its output."""
 
     num_experts: int
     top_k: int
@@ -140,6 +152,23 @@ class Fp8Scales:
     block: tuple[int, int] | None
 
 
+@dataclass(frozen=True)
+class IntWeights:
+    """How an int4 or int8 checkpoint packs its linears' weights (worker/models/int_weights.py reads
+    them, dequantized to the serving dtype as they load): "gptq" (`qweight` packed along the input,
+    `qzeros`, `scales`, optional `g_idx`), "awq" (AutoAWQ's GEMM layout, packed along the output in its
+    interleaved order) or "pack-quantized" (compressed-tensors': `weight_packed`, `weight_scale`,
+    optional `weight_zero_point` and `weight_g_idx`). Each value is (q - zero) x scale of its group of
+    input rows."""
+
+    method: str  # "gptq", "awq" or "pack-quantized"
+    bits: int  # 4 or 8: 32 / bits values an int32
+    group_size: int | None  # input rows a scale covers; None: all of them (GPTQ's -1, a channel's scale)
+    zero_offset: int = 0  # GPTQ's classic format stores each zero less 1 (gptq_v2 the zero itself)
+    symmetric: bool = True  # compressed-tensors: without a zero point, each value's zero is 2^(bits - 1)
+    act_order: bool = False  # groups in activation order: each input row's group is in its g_idx tensor
+
+
 @dataclass
 class ModelConfig:
     arch: str  # one of ARCHITECTURES' values
@@ -161,7 +190,8 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     qk_norm: str | None  # "head": each head normed alone (Qwen3, Gemma 3; Command R+'s with weights of its own);
-    # "whole": q and k each across all their heads at once (OLMo 2, 3, OLMoE); None: no q/k norm
+    # "whole": q and k each across all their heads at once (OLMo 2, 3, OLMoE); "weightless": each head
+    # RMS-normed alone with no weight, in the rotated layers only (Llama 4's use_qk_norm); None: no q/k norm
     dtype: str | None  # as the checkpoint was saved
     # Gemma 2 and 3 (worker/models/gemma.py): attention scaled by query_pre_attn_scalar^-0.5, not
     # head_dim's; logits soft-capped (tanh(x / cap) * cap), Gemma 2's attention scores too; Gemma 3's
@@ -180,6 +210,12 @@ class ModelConfig:
     # Ministral 3 (Llama 4's scaling): (beta, original context); rotated queries x 1 + beta ln(1 +
     # floor(position / original context))
     query_scaling: tuple[float, int] | None = None
+    # Llama 4's temperature tuning (attn_scale, floor_scale): its unrotated layers' queries x 1 + attn_scale
+    # ln(1 + floor((position + 1) / floor_scale)); the rotated layers' as they are
+    attn_temperature: tuple[float, float] | None = None
+    # Llama 4's attention_chunk_size where a layer attends by chunks (a token sees only its own chunk's):
+    # served up to one chunk (`context_cap`), where that is causal attention
+    attention_chunk: int | None = None
     # gpt-oss: a learned sink logit per attention head; its experts' SwiGLU (alpha, limit): gate
     # clamped above at limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)
     attn_sinks: bool = False
@@ -192,6 +228,7 @@ class ModelConfig:
     logit_scale: float | None = None  # Cohere: logits x it
     lm_head_bias: bool = False  # Phi-3.5-MoE: the head has a bias
     fp8: Fp8Scales | None = None  # how an FP8 checkpoint's weights are scaled (dequantized as they load)
+    int_weights: IntWeights | None = None  # how an int4/int8 checkpoint packs its weights (dequantized as they load)
     mla: MlaConfig | None = None  # DeepSeek-V2 and V3: multi-head latent attention in place of q/k/v
 
     def local_rope(self, layer: int) -> bool:
@@ -210,12 +247,14 @@ class ModelConfig:
         return self.max_position_embeddings if cap is None else cap[0]
 
     def context_cap(self) -> tuple[int, str] | None:
-        """(tokens, why) of a limit below the model's context that kvgate serves it within, if any."""
-        scaling = self.rope_scaling or {}
-        old = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
-        if scaling.get("rope_type") == "longrope" and old < self.max_position_embeddings:
-            return old, "LongRoPE original context"  # past it: the long factors, for every position
-        return None
+        """(tokens, why) of the lowest limit below the model's context that kvgate serves it within, if any."""
+        scaling, caps = self.rope_scaling or {}, []
+        if scaling.get("rope_type") == "longrope":  # past it: the long factors, for every position
+            caps.append((scaling.get("original_max_position_embeddings", self.max_position_embeddings),
+                         "LongRoPE original context"))
+        if self.attention_chunk is not None:  # past it: a mask by chunks, not causal
+            caps.append((self.attention_chunk, "attention chunk size"))
+        return min((cap for cap in caps if cap[0] < self.max_position_embeddings), default=None)
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
@@ -268,8 +307,11 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
         logit_scale=float(raw.get("logit_scale", 0.0625)) if arch in COHERE else None,
         lm_head_bias=arch == "phimoe" and bool(raw.get("lm_head_bias", False)),
         fp8=_fp8(raw.get("quantization_config")),
+        int_weights=_int_weights(raw.get("quantization_config")),
     )
-    return _latent_attention(raw, cfg) if arch in DEEPSEEK else cfg
+    if arch in DEEPSEEK:
+        return _latent_attention(raw, cfg)
+    return _llama4(raw, cfg) if arch == "llama4" else cfg
 
 
 def _norm_eps(raw: dict, arch: str) -> float:
@@ -280,8 +322,8 @@ def _norm_eps(raw: dict, arch: str) -> float:
         return raw.get("norm_epsilon", 1e-5)
     if arch == "stablelm":
         return raw.get("layer_norm_eps", 1e-5)
-    return raw.get("rms_norm_eps", 1e-5 if arch in ("ernie4_5", "exaone4", "arcee", "hunyuan_v1_dense", "apertus")
-                   else 1e-6)
+    return raw.get("rms_norm_eps", 1e-5 if arch in ("ernie4_5", "exaone4", "arcee", "hunyuan_v1_dense", "apertus",
+                                                    "llama4") else 1e-6)
 
 
 def _biases(raw: dict, arch: str) -> tuple[bool, bool, bool]:
@@ -323,9 +365,11 @@ def _fp8(quant) -> Fp8Scales | None:
         if fmt != "e4m3":
             raise ValueError(f"quantization_config fp8 with fmt {fmt!r}: only e4m3 weights are read")
         return Fp8Scales("_scale_inv", _block(block, "quantization_config fp8 needs weight_block_size"))
+    if quant.get("format") == "pack-quantized":  # int weights: `_int_weights`
+        return None
     if quant.get("format") != "float-quantized":
         raise ValueError(f"quantization_config compressed-tensors in format {quant.get('format')!r}: only "
-                         "\"float-quantized\" (FP8 weights) is read")
+                         "\"float-quantized\" (FP8 weights) and \"pack-quantized\" (int4 and int8 weights) are read")
     weights = [group.get("weights") or {} for group in (quant.get("config_groups") or {}).values()]
     if not weights or any((w.get("type"), w.get("num_bits")) != ("float", 8) for w in weights):
         raise ValueError("quantization_config compressed-tensors: every config group's weights must be 8-bit "
@@ -336,6 +380,87 @@ def _fp8(quant) -> Fp8Scales | None:
                          f"one block shape are read (here {[w.get('strategy') for w in weights]}, blocks {blocks})")
     block = _block(list(blocks.pop()), "compressed-tensors' block_structure") if blocks else None
     return Fp8Scales("_scale", block)
+
+
+INT_METHODS = ("gptq", "awq")  # and compressed-tensors' pack-quantized format
+AWQ_GEMM = ("gemm", "exllama", "ipex")  # AutoAWQ versions saved in the GEMM layout (their kernels repack it)
+
+
+def _int_weights(quant) -> IntWeights | None:
+    """Int4 and int8 weights, read as each format's own dequantization computes them, then dequantized to
+    the serving dtype as they load (no int kernels: the model takes its unquantized memory): "gptq"
+    (AutoGPTQ's and GPTQModel's: Qwen's -GPTQ-Int4 and -Int8, TheBloke's) 4 or 8 bits, grouped by
+    group_size or by each row's g_idx (desc_act), its classic format (each zero stored less 1) or
+    gptq_v2; "awq" (AutoAWQ's GEMM layout: Qwen2.5's -AWQ, TheBloke's) 4 bits; compressed-tensors'
+    "pack-quantized" (llm-compressor's W4A16 and W8A16) grouped or per channel, with or without zero
+    points. Activations stay in the serving dtype. Refused by name: 2- and 3-bit GPTQ, layouts packed
+    for one kernel (GPTQModel's marlin, AWQ's gemv and marlin), llm-awq's, per-module bits."""
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method == "gptq":
+        return _gptq(quant)
+    if method == "awq":
+        return _awq(quant)
+    if method == "compressed-tensors" and quant.get("format") == "pack-quantized":
+        return _pack_quantized(quant)
+    return None
+
+
+def _gptq(quant: dict) -> IntWeights:
+    bits = quant.get("bits")
+    fmt = quant.get("checkpoint_format") or quant.get("format") or "gptq"  # GPTQModel's older name: format
+    fmt = "marlin" if quant.get("is_marlin_format") else fmt  # AutoGPTQ's older flag for it
+    if bits not in (4, 8):
+        raise ValueError(f"quantization_config gptq with bits {bits!r}: 4- and 8-bit weights are read (not 2 or 3)")
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ValueError(f"quantization_config gptq in checkpoint_format {fmt!r}: the gptq and gptq_v2 layouts are "
+                         "read (not one repacked for a kernel)")
+    if quant.get("pack_dtype", "int32") != "int32" or quant.get("dynamic"):
+        raise ValueError(f"quantization_config gptq with pack_dtype {quant.get('pack_dtype')!r} and dynamic "
+                         f"{quant.get('dynamic')!r}: weights packed in int32, with one bits and group_size for "
+                         "every linear, are read")
+    return IntWeights("gptq", bits, _group_size(quant.get("group_size", 128), "gptq"),
+                      zero_offset=1 if fmt == "gptq" else 0, act_order=bool(quant.get("desc_act")))
+
+
+def _awq(quant: dict) -> IntWeights:
+    version, bits = str(quant.get("version", "gemm")).lower(), quant.get("bits", quant.get("w_bit"))
+    backend = quant.get("backend", "autoawq")
+    if version not in AWQ_GEMM or backend != "autoawq":
+        raise ValueError(f"quantization_config awq version {version!r} (backend {backend!r}): AutoAWQ's GEMM "
+                         f"layout is read (versions {', '.join(AWQ_GEMM)}), not gemv's, marlin's or llm-awq's")
+    if bits != 4 or not quant.get("zero_point", True):
+        raise ValueError(f"quantization_config awq with bits {bits!r} and zero_point "
+                         f"{quant.get('zero_point', True)!r}: 4-bit weights with zero points are read")
+    return IntWeights("awq", 4, _group_size(quant.get("group_size", quant.get("q_group_size", 128)), "awq"))
+
+
+def _pack_quantized(quant: dict) -> IntWeights:
+    sparsity, transforms = (quant.get("sparsity_config") or {}).get("format", "dense"), quant.get("transform_config")
+    if sparsity != "dense" or transforms:
+        raise ValueError(f"quantization_config compressed-tensors pack-quantized with sparsity_config format "
+                         f"{sparsity!r} and transform_config {transforms!r}: dense weights, not rotated, are read")
+    weights = [group.get("weights") or {} for group in (quant.get("config_groups") or {}).values()]
+    kinds = {(w.get("type"), w.get("num_bits"), w.get("strategy"), w.get("group_size"), w.get("symmetric", True),
+              w.get("actorder")) for w in weights}
+    if len(kinds) != 1:
+        raise ValueError("quantization_config compressed-tensors pack-quantized: config groups whose weights are "
+                         f"quantized alike are read (here {sorted(map(str, kinds))})")
+    kind, bits, strategy, size, symmetric, order = kinds.pop()
+    if kind != "int" or bits not in (4, 8) or strategy not in ("group", "channel"):
+        raise ValueError(f"quantization_config compressed-tensors pack-quantized with {bits}-bit {kind} weights "
+                         f"by {strategy}: 4- and 8-bit int weights, by group or channel, are read")
+    group = _group_size(size, "compressed-tensors") if strategy == "group" else None
+    return IntWeights("pack-quantized", bits, group, symmetric=bool(symmetric),
+                      act_order=order in ("group", "dynamic"))
+
+
+def _group_size(size, method: str) -> int | None:
+    if size == -1:
+        return None
+    if type(size) is not int or size <= 0:
+        raise ValueError(f"quantization_config {method} group_size {size!r}: a positive number of input rows "
+                         "(or -1, all of them) is read")
+    return size
 
 
 def _block(block, what: str) -> tuple[int, int]:
@@ -454,14 +579,60 @@ def _deepseek_moe(raw: dict, arch: str) -> MoeConfig:
                      scaling=float(raw.get("routed_scaling_factor", 2.5 if v3 else 1.0)))
 
 
+def _llama4(raw: dict, cfg: ModelConfig) -> ModelConfig:
+    """Llama 4's text model as Llama4TextConfig's defaults fill in what the folder leaves out: NoPE
+    layers from no_rope_layers (1: rotated; absent or empty, every no_rope_layer_interval-th layer is
+    not), their queries scaled by attn_temperature_tuning, q/k norms (use_qk_norm) in the rotated
+    layers, which attend by chunks of attention_chunk_size (layer_types where it says); experts in
+    moe_layers (or every interleave_moe_layer_step-th layer), intermediate_size wide as the shared
+    expert, the dense layers intermediate_size_mlp wide. A layer kind transformers' Llama 4 has no
+    mask for is refused, as is a chunked layer without a chunk size."""
+    layers = cfg.num_layers
+    flags = raw.get("no_rope_layers") or None  # Llama4TextConfig's: an empty list is the default too
+    rope_layers = _rope_layers({**raw, "no_rope_layers": flags})
+    chunk = raw.get("attention_chunk_size", 8192)
+    kinds = raw.get("layer_types") or ["chunked_attention" if rope and chunk else "full_attention"
+                                       for rope in rope_layers]
+    if len(kinds) != layers or not set(kinds) <= {"chunked_attention", "full_attention"} \
+            or ("chunked_attention" in kinds and not chunk):
+        raise ValueError(f"layer_types {kinds} in config.json: a llama4 folder's {layers} layers are each "
+                         "'chunked_attention' (with an attention_chunk_size) or 'full_attention'")
+    return replace(
+        cfg, intermediate_size=raw.get("intermediate_size_mlp", 16384), moe=_llama4_moe(raw, layers),
+        qk_norm="weightless" if raw.get("use_qk_norm", True) else None, qk_norm_after_rope=True,
+        rope_layers=rope_layers, attention_chunk=chunk if "chunked_attention" in kinds else None,
+        # the Hub's Scout folders say attn_temperature_tuning 4: on, as transformers 4 read it
+        attn_temperature=(float(raw.get("attn_scale", 0.1)), float(raw.get("floor_scale", 8192)))
+        if raw.get("attn_temperature_tuning", True) else None)
+
+
+def _llama4_moe(raw: dict, layers: int) -> MoeConfig:
+    experts, top_k = raw.get("num_local_experts", 16), raw.get("num_experts_per_tok", 1)
+    if not 0 < top_k <= experts:
+        raise ValueError(f"a llama4 folder needs 0 < num_experts_per_tok <= num_local_experts (here {top_k} and "
+                         f"{experts}) in config.json")
+    sparse = raw.get("moe_layers")
+    if sparse is None:  # (an empty list: no sparse layer)
+        step = raw.get("interleave_moe_layer_step", 1)
+        sparse = range(step - 1, layers, step)
+    width = raw.get("intermediate_size", 8192)
+    return MoeConfig(experts, top_k, width, False, False, width, tuple(i in set(sparse) for i in range(layers)),
+                     routing="sigmoid_inputs")
+
+
 def _text_part(raw: dict) -> dict:
     """A multimodal folder's text model's config (Gemma 3 4B and up, Mistral Small 3.1 and 3.2,
     Ministral 3, Qwen2.5-VL, Qwen3-VL): its text config as transformers builds it (the defaults hub
     configs leave out filled in; Qwen2.5-VL's older folders keep its fields at the top level), and
-    what the folder says at the top; the text model's arch as `model_type`."""
+    what the folder says at the top; the text model's arch as `model_type`. Llama 4's text_config as
+    it stands (`_llama4` fills in its defaults): transformers 5's strict config refuses the Hub's own
+    Scout folders (their attn_temperature_tuning is 4, not a bool)."""
     kind = next((MULTIMODAL[name] for name in raw.get("architectures") or [] if name in MULTIMODAL), None)
     if kind is None:
         return raw
+    top = {k: raw[k] for k in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings") if k in raw}
+    if kind == "llama4":
+        return {**(raw.get("text_config") or {}), **top, "architectures": [], "model_type": "llama4"}
     from transformers import AutoConfig
 
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
@@ -469,7 +640,6 @@ def _text_part(raw: dict) -> dict:
     if text.model_type not in TEXT_MODELS:
         raise ValueError(f"{raw['architectures']} with a {text.model_type!r} text model is not supported; text "
                          f"models: {sorted(TEXT_MODELS)}")
-    top = {k: raw[k] for k in ("dtype", "torch_dtype", "quantization_config", "tie_word_embeddings") if k in raw}
     return {**text.to_dict(), **top, "architectures": [], "model_type": TEXT_MODELS[text.model_type]}
 
 
@@ -503,11 +673,12 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
                                  "numbers")
     quant = raw.get("quantization_config")
     method = (quant.get("quant_method", "unnamed") if isinstance(quant, dict) else "unnamed") if quant else None
-    # dequantized as they load: gpt-oss's MXFP4 experts, FP8 weights (`_fp8`)
-    if method and not (arch == "gpt_oss" and method == "mxfp4") and method not in FP8_METHODS:
+    # dequantized as they load: gpt-oss's MXFP4 experts, FP8 weights (`_fp8`), int4 and int8 ones (`_int_weights`)
+    if method and not (arch == "gpt_oss" and method == "mxfp4") and method not in (*FP8_METHODS, *INT_METHODS):
         raise ValueError(f"quantization_config ({method}) in config.json: quantized checkpoints are not "
-                         "supported (but for FP8 weights — fp8, compressed-tensors, fbgemm_fp8 — and gpt-oss's "
-                         "MXFP4 experts); serve the model's unquantized (bf16, fp16 or fp32) folder")
+                         "supported (but for FP8 weights — fp8, compressed-tensors, fbgemm_fp8 —, int4 and int8 "
+                         "weights — gptq, awq, compressed-tensors' pack-quantized — and gpt-oss's MXFP4 experts); "
+                         "serve the model's unquantized (bf16, fp16 or fp32) folder")
     act, wanted = _activation(raw, arch), _ACTIVATION.get(arch, "silu")
     if act != wanted:
         raise ValueError(f"hidden_act {act!r} in config.json: a {arch} folder's MLP is {wanted!r}")
@@ -520,9 +691,10 @@ def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: i
 _ACTIVATION = {**dict.fromkeys(("gemma", *GEMMA), "gelu_pytorch_tanh"), "arcee": "relu2",
                "starcoder2": "gelu_pytorch_tanh", "apertus": "xielu"}  # every other: SiLU
 # where a config leaves head_dim out: its class's default (not hidden_size / heads, as elsewhere)
-_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "glm": 128, "glm4": 128, "ernie4_5": 128, "seed_oss": 128}
+_HEAD_DIM = {"gemma": 256, "gemma2": 256, "gemma3": 256, "glm": 128, "glm4": 128, "ernie4_5": 128, "seed_oss": 128,
+             "llama4": 128}
 _TIED = ("gemma", *GEMMA, "smollm3", *COHERE, "ernie4_5", "starcoder2")  # head = the embeddings unless said
-_THETA = {"ernie4_5": 500_000.0}  # a family's rope_theta where its config says none (else 10,000)
+_THETA = {"ernie4_5": 500_000.0, "llama4": 500_000.0}  # a family's rope_theta where its config says none (else 10,000)
 
 
 def _activation(raw: dict, arch: str) -> str:
@@ -561,8 +733,8 @@ def _query_scaling(raw: dict) -> tuple[float, int]:
 
 
 def _rope_layers(raw: dict) -> tuple[bool, ...]:
-    """SmolLM3's rotating layers: no_rope_layers says 1 for each (its name notwithstanding), or
-    every no_rope_layer_interval-th layer is the one without."""
+    """SmolLM3's and Llama 4's rotating layers: no_rope_layers says 1 for each (its name
+    notwithstanding), or every no_rope_layer_interval-th layer is the one without."""
     flags = raw.get("no_rope_layers")
     if flags is None:
         every = raw.get("no_rope_layer_interval", 4)

@@ -128,7 +128,8 @@ def _config(arch: str, **kw):
            "deepseek_v3": transformers.DeepseekV3Config, "exaone4": transformers.Exaone4Config,
            "seed_oss": transformers.SeedOssConfig, "arcee": transformers.ArceeConfig,
            "starcoder2": transformers.Starcoder2Config, "stablelm": transformers.StableLmConfig,
-           "hunyuan_v1_dense": transformers.HunYuanDenseV1Config, "apertus": transformers.ApertusConfig}[arch]
+           "hunyuan_v1_dense": transformers.HunYuanDenseV1Config, "apertus": transformers.ApertusConfig,
+           "llama4": transformers.Llama4TextConfig}[arch]
     return cls(**kw)
 
 

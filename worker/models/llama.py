@@ -5,7 +5,10 @@ logits scaled); SmolLM3 Llama's with some layers unrotated (NoPE); Ministral 3 M
 queries scaled up past the original context (Llama 4's scaling); OLMoE Llama's with q and k each
 RMS-normed across all their heads, q/k/v clipped, and experts; GLM Llama's with half of each head
 rotated, by adjacent pairs (`rotate_pairs_as_halves`), GLM-4-0414 with each branch's output normed
-too (`branch`); Hunyuan Llama's with q and k normed once rotated (`norm_after_rope`).
+too (`branch`); Hunyuan Llama's with q and k normed once rotated (`norm_after_rope`); Llama 4 Llama's
+with RoPE by adjacent pairs, q and k normed without weights once rotated in its rotated layers, its
+NoPE layers' queries scaled by position (temperature tuning), and moe.py's InputScaledMoE in its
+sparse layers.
 
 Parameter names follow the Hugging Face checkpoints, except q/k/v and gate/up, which are fused into
 one matmul each (fewer, larger GEMMs); `checkpoint_pieces` says where each fused part comes from.
@@ -30,7 +33,7 @@ from worker.engine.attention import AttentionMetadata
 from worker.engine.cpu_native import CpuKernels
 from worker.models.config import ModelConfig
 from worker.models.linear import Linear
-from worker.models.moe import SparseMoE, checkpoint_piece
+from worker.models.moe import checkpoint_piece, sparse_moe
 from worker.models.parallel import (SINGLE, ColumnParallelLinear, ParallelLMHead, ParallelRMSNorm, Piece,
                                     RowParallelLinear, Shard, VocabParallelEmbedding)
 
@@ -144,9 +147,15 @@ def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
     return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
+def weightless_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama 4's q/k norm: each head RMS-normed in fp32, with no weight, cast back."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 class Rope(NamedTuple):
-    """The position encoding of a step's rows: cos and sin [T, 1, rotary dim], and Ministral 3's
-    query scale [T, 1, 1] (None in every other model)."""
+    """The position encoding of a step's rows: cos and sin [T, 1, rotary dim], and Ministral 3's or
+    Llama 4's query scale [T, 1, 1] (None in every other model)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -178,8 +187,11 @@ class Attention(nn.Module):
         elif cfg.qk_norm == "whole":
             self.q_norm, self.k_norm = _whole_width_norms(cfg, shard, q_first * d, kv_first * d, self.q_size,
                                                          self.kv_size, norm)
-        self.qk_norm, self.clip, self.shard = cfg.qk_norm, cfg.clip_qkv, shard
-        self.norm_after_rope = cfg.qk_norm_after_rope  # Hunyuan's q/k norms: on the rotated heads
+        # Llama 4's weightless q/k norms: in its rotated layers only
+        self.qk_norm = None if cfg.qk_norm == "weightless" and not rope else cfg.qk_norm
+        self.clip, self.shard, self.eps = cfg.clip_qkv, shard, cfg.rms_norm_eps
+        self.norm_after_rope = cfg.qk_norm_after_rope  # Hunyuan's and Llama 4's q/k norms: on the rotated heads
+        self.q_scaled = cfg.attn_temperature is None or not rope  # Llama 4's temperature: its NoPE layers only
         self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None  # gpt-oss's, per head
@@ -196,8 +208,8 @@ class Attention(nn.Module):
             q, k = _rotary(q, rope.cos, rope.sin), _rotary(k, rope.cos, rope.sin)
         if self.norm_after_rope:
             q, k = self._norm_qk(q, k)
-        if rope.q_scale is not None:
-            q = q * rope.q_scale.to(q.dtype)
+        if rope.q_scale is not None and self.q_scaled:
+            q = (q * rope.q_scale).to(q.dtype)
         return self._attend(q, k, v, kv_cache, meta)
 
     def forward_fused(self, x: torch.Tensor, positions: torch.Tensor, rope_table: torch.Tensor,
@@ -213,7 +225,7 @@ class Attention(nn.Module):
             ops.rope_(qkv, positions, rope_table, self.num_heads + self.num_kv_heads)  # q's heads, then k's
         if self.norm_after_rope:
             self._norm_qk_fused(qkv, ops)
-        if q_scale is not None:
+        if q_scale is not None and self.q_scaled:
             qkv[:, :self.q_size].view(-1, self.num_heads, self.head_dim).mul_(q_scale)
         return self._attend(*self._heads(qkv), kv_cache, meta)
 
@@ -222,6 +234,8 @@ class Attention(nn.Module):
             return self.q_norm(q), self.k_norm(k)
         if self.qk_norm == "whole":
             return self.q_norm(q.flatten(1)).view_as(q), self.k_norm(k.flatten(1)).view_as(k)
+        if self.qk_norm == "weightless":
+            return weightless_rms_norm(q, self.eps), weightless_rms_norm(k, self.eps)
         return q, k
 
     def _norm_qk_fused(self, qkv: torch.Tensor, ops: CpuKernels) -> None:
@@ -236,6 +250,9 @@ class Attention(nn.Module):
         elif self.qk_norm == "whole":  # q as one head of q_size values, k as one of kv_size
             ops.head_rmsnorm_(qkv, 0, 1, self.q_norm.weight, self.q_norm.eps, self.q_size)
             ops.head_rmsnorm_(qkv, self.q_size, 1, self.k_norm.weight, self.k_norm.eps, self.kv_size)
+        elif self.qk_norm == "weightless":  # torch's, written back into q's and k's heads in the rows
+            for heads in self._heads(qkv)[:2]:
+                heads.copy_(weightless_rms_norm(heads, self.eps))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -320,7 +337,7 @@ class DecoderLayer(nn.Module):
                                               cfg.rope_layers is None or cfg.rope_layers[index])
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
-        self.mlp = SparseMoE(cfg, shard, MLP) if sparse else MLP(cfg, shard)
+        self.mlp = sparse_moe(cfg, shard, MLP) if sparse else MLP(cfg, shard)
         self.residual_multiplier = cfg.multipliers["residual_multiplier"] if cfg.multipliers else None
         self.post_self_attn_layernorm = self.post_mlp_layernorm = None
         if cfg.branch_norms:  # GLM-4-0414's
@@ -393,7 +410,7 @@ class CausalLM(nn.Module):
         the residual stream h."""
         ops, layers = self.cpu_kernels, self.model.layers
         h = self._embed(input_ids)  # a fresh tensor: the residual stream, updated in place
-        tables, q_scale = self._rope_tables_for(positions, h.dtype), self._query_scale(positions)
+        tables, q_scale = self._rope_tables_for(positions, h.dtype), self._query_scale(positions, h.dtype)
         after_mlp = [layer.input_layernorm for layer in layers[1:]] + [self.model.norm]
         x = ops.add_rmsnorm(h, None, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)
         for layer, kv_cache, norm in zip(layers, kv_caches, after_mlp):
@@ -413,7 +430,7 @@ class CausalLM(nn.Module):
         """The rows' Rope by whether a layer is rotated by the sliding layers' RoPE. On CPU cos and
         sin are looked up in a table grown as positions grow (the same products, computed once, not
         every step); elsewhere computed in place (no host sync, so CUDA graphs can capture it)."""
-        q_scale = self._query_scale(positions)
+        q_scale = self._query_scale(positions, dtype)
         if positions.device.type != "cpu":
             ropes = {False: Rope(*_rope(positions, self.inv_freq, dtype, self.rope_scale), q_scale)}
             if self.local_inv_freq is not None:
@@ -423,13 +440,18 @@ class CausalLM(nn.Module):
         both = {local: table.index_select(0, positions) for local, table in tables.items()}
         return {local: Rope(rows[:, :1], rows[:, 1:], q_scale) for local, rows in both.items()}
 
-    def _query_scale(self, positions: torch.Tensor) -> torch.Tensor | None:
-        """Ministral 3's (Llama 4's) [T, 1, 1]: queries x 1 + beta ln(1 + floor(position / original
-        context)) — 1 within the original context, growing by steps past it; None elsewhere."""
+    def _query_scale(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """[T, 1, 1], as transformers computes each: Ministral 3's (Llama 4's scaling), in the model's
+        dtype, queries x 1 + beta ln(1 + floor(position / original context)) — 1 within the original
+        context, growing by steps past it; Llama 4's temperature tuning, in fp32 (the product cast),
+        x 1 + attn_scale ln(1 + floor((position + 1) / floor_scale)); None elsewhere."""
+        if self.cfg.attn_temperature is not None:
+            scale, floor = self.cfg.attn_temperature
+            return (torch.log1p(torch.floor((positions.float() + 1.0) / floor)) * scale + 1.0)[:, None, None]
         if self.cfg.query_scaling is None:
             return None
         beta, context = self.cfg.query_scaling
-        return (1 + beta * torch.log(1 + torch.floor(positions / context)))[:, None, None]
+        return (1 + beta * torch.log(1 + torch.floor(positions / context))).to(dtype)[:, None, None]
 
     def _rope_tables_for(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, torch.Tensor]:
         """By local, [>= max position + 1, 2, head_dim]: cos and sin per position, grown by doubling."""

@@ -4,7 +4,8 @@ the weights from its safetensors files — or, in a folder that has none, its Py
 and memory-mapped, so a rank's slice reads only its own bytes there too. gpt-oss's MXFP4 experts
 (`<name>_blocks` and `<name>_scales` where the parameter's name is missing) are dequantized into
 their parameter an expert at a time; FP8 weights (a float8 tensor with its scales, config.py's
-`Fp8Scales`) into the serving dtype, a piece at a time."""
+`Fp8Scales`) and int4 and int8 ones (GPTQ's, AWQ's, compressed-tensors' packed: worker/models/int_weights.py)
+into the serving dtype, a piece at a time — the memory of the unquantized model."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from worker.models.config import Fp8Scales, ModelConfig
+from worker.models.config import Fp8Scales, IntWeights, ModelConfig
+from worker.models.int_weights import packed_weights, read_int_weight
 from worker.models.llama import CausalLM
 from worker.models.parallel import SINGLE, Piece, Shard
 
@@ -60,9 +62,11 @@ def _open(file: Path):
 def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
     """Copy every parameter from the checkpoint: the concatenation of its pieces (fused parts, or
     under tensor parallelism this rank's slices, read alone by get_slice). A piece shorter than its
-    parameter (the vocabulary's padding rows) leaves the rest zero."""
+    parameter (the vocabulary's padding rows) leaves the rest zero. An int-packed linear's weight is
+    asked for by its `.weight` name, as a plain one is."""
     files = weight_files(model_dir)
     handles = {file: _open(file) for file in set(files.values())}
+    names = set(files) | packed_weights(files, model.cfg.int_weights)
     missing = []
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -73,13 +77,13 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path) -> None:
                 _dequantize_into(param, handles[files[f"{piece.name}_blocks"]], handles[files[f"{piece.name}_scales"]],
                                  piece)
                 continue
-            pieces = [p if p.name in files
-                      else _from_fused(p, model.cfg, files) or replace(p, name=_fallback(p.name, files))
+            pieces = [p if p.name in names
+                      else _from_fused(p, model.cfg, names) or replace(p, name=_fallback(p.name, names))
                       for p in wanted]
-            if any(p.name not in files for p in pieces):
+            if any(p.name not in names for p in pieces):
                 missing.append(name)
                 continue
-            tensors = [_read_dequantized(handles, files, p, model.cfg.fp8) for p in pieces]
+            tensors = [_read_dequantized(handles, files, p, model.cfg.fp8, model.cfg.int_weights) for p in pieces]
             _fill(param, tensors, pieces[0].dim if pieces else 0)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for {missing[:5]}")
@@ -95,9 +99,13 @@ def _read(handle, piece: Piece) -> torch.Tensor:
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _read_dequantized(handles: dict, files: dict[str, Path], piece: Piece, fp8: Fp8Scales | None):
-    """The piece as stored, or an FP8 weight's piece x its scales (in fp32): one a block, one an output
-    row, or one for the tensor (config.py's `Fp8Scales`)."""
+def _read_dequantized(handles: dict, files: dict[str, Path], piece: Piece, fp8: Fp8Scales | None,
+                      ints: IntWeights | None = None):
+    """The piece as stored, an int-packed weight's piece dequantized (in fp32: int_weights.py), or an
+    FP8 weight's piece x its scales (in fp32): one a block, one an output row, or one for the tensor
+    (config.py's `Fp8Scales`)."""
+    if piece.name not in files and ints is not None:
+        return read_int_weight(handles, files, piece, ints)
     tensor = _read(handles[files[piece.name]], piece)
     if tensor.dtype not in FP8:
         return tensor
@@ -171,7 +179,7 @@ def _fill(param: torch.Tensor, tensors: list[torch.Tensor], dim: int) -> None:
     param.narrow(dim, 0, data.shape[dim]).copy_(data)
 
 
-def _from_fused(piece: Piece, cfg: ModelConfig, files: dict[str, Path]) -> Piece | None:
+def _from_fused(piece: Piece, cfg: ModelConfig, names: set[str]) -> Piece | None:
     """Phi-3 stores q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (GLM gate/up): the
     piece's rows there (all of the part's, or under tensor parallelism this rank's slice of them)."""
     module, _, param = piece.name.rpartition(".")
@@ -179,21 +187,21 @@ def _from_fused(piece: Piece, cfg: ModelConfig, files: dict[str, Path]) -> Piece
     q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
     where = {"q_proj": ("qkv_proj", 0, q), "k_proj": ("qkv_proj", q, kv), "v_proj": ("qkv_proj", q + kv, kv),
              "gate_proj": ("gate_up_proj", 0, inter), "up_proj": ("gate_up_proj", inter, inter)}.get(part)
-    if where is None or piece.dim != 0 or f"{base}.{where[0]}.{param}" not in files:
+    if where is None or piece.dim != 0 or f"{base}.{where[0]}.{param}" not in names:
         return None
     fused, offset, size = where
     start, stop = (0, size) if piece.start is None else (piece.start, piece.stop)
     return Piece(f"{base}.{fused}.{param}", 0, offset + start, offset + stop)
 
 
-def _fallback(name: str, files: dict[str, Path]) -> str:
+def _fallback(name: str, names: set[str]) -> str:
     """Where a checkpoint keeps `name` under another name: a multimodal folder's text model (Gemma 3
     4B and up: `language_model.model.…` as saved, `model.language_model.…` as transformers 5 names
     its modules), and the embeddings for a head some tied checkpoints store no lm_head for (even
     when their config says tie_word_embeddings false)."""
     for wanted in [name] + (["model.embed_tokens.weight"] if name == "lm_head.weight" else []):
         for spelled in (wanted, f"language_model.{wanted}", wanted.replace("model.", "model.language_model.", 1)):
-            if spelled in files:
+            if spelled in names:
                 return spelled
     return name
 

@@ -1,6 +1,6 @@
 """A sparse mixture of experts in place of a layer's MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5,
-Granite 3 MoE, Phi-3.5-MoE, DeepSeek-V2 and V3), computed as transformers computes it, so fp32 greedy
-outputs match it token for token:
+Granite 3 MoE, Phi-3.5-MoE, DeepSeek-V2 and V3; Llama 4's own, `InputScaledMoE`), computed as
+transformers computes it, so fp32 greedy outputs match it token for token:
 
 - the router (`gate`, a bias-free linear) scores every expert and picks each row's experts and their
   weights, each family by its own rule (`MoeConfig.routing`; one router class each, below);
@@ -18,9 +18,11 @@ so on CUDA a mixture-of-experts model runs without CUDA graphs (model_runner.py)
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from worker.models.config import ModelConfig
@@ -42,7 +44,10 @@ def mixtral_name(name: str) -> str:
 
 def checkpoint_piece(piece: Piece, cfg: ModelConfig) -> Piece:
     """Where a family's checkpoint keeps a piece of kvgate's MoE layer: Mixtral's and Phi-3.5-MoE's
-    block_sparse_moe names, GLM-4.5's and DeepSeek's `shared_experts`, Granite's experts stored as one tensor."""
+    block_sparse_moe names, GLM-4.5's and DeepSeek's `shared_experts`, Granite's experts stored as one tensor,
+    Llama 4's `feed_forward` (its dense MLPs' too)."""
+    if cfg.arch == "llama4":
+        return replace(piece, name=piece.name.replace(".mlp.", ".feed_forward."))
     if cfg.arch in ("mixtral", "phimoe"):
         return replace(piece, name=mixtral_name(piece.name))
     if cfg.arch in ("glm4_moe", "deepseek_v2", "deepseek_v3"):
@@ -181,6 +186,20 @@ class SparseMixerRouter(Router):
         return torch.softmax(left.masked_fill(far, float("-inf")), dim=-1).gather(-1, index), index
 
 
+def by_expert(chosen: torch.Tensor, weights: torch.Tensor, experts: int) -> Iterator[tuple[int, torch.Tensor,
+                                                                                        torch.Tensor]]:
+    """(expert, the rows routed to it, their weights for it) of each expert some row chose, experts in
+    ascending order (transformers' `index_add_` order, so each row's sum is the same sum), each
+    expert's rows in order (a stable sort). `chosen` and `weights`: [rows, k]."""
+    order = torch.argsort(chosen.flatten(), stable=True)
+    rows_of, weight_of = order // chosen.shape[-1], weights.flatten()[order]
+    start = 0
+    for expert, n in enumerate(torch.bincount(chosen.flatten(), minlength=experts).tolist()):
+        if n:
+            yield expert, rows_of[start:start + n], weight_of[start:start + n]
+            start += n
+
+
 ROUTERS = {"softmax": SoftmaxRouter, "top_k_softmax": TopKSoftmaxRouter, "grouped_sigmoid": GroupedSigmoidRouter,
            "sparsemixer": SparseMixerRouter, "group_limited_softmax": GroupLimitedSoftmaxRouter}
 
@@ -189,7 +208,7 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: Shard, mlp: type[nn.Module]):
         super().__init__()
         moe = cfg.moe
-        self.top_k, self.shard = moe.top_k, shard
+        self.shard = shard
         self.gate = ROUTERS[moe.routing](cfg)
         self.experts = nn.ModuleList(mlp(cfg, shard, moe.intermediate_size, reduce=False)
                                      for _ in range(moe.num_experts))
@@ -208,20 +227,80 @@ class SparseMoE(nn.Module):
 
     def _mix(self, x: torch.Tensor, run) -> torch.Tensor:
         weights, chosen = self.gate.route(x)  # [rows, k] each
-        # the (row, slot) pairs grouped by expert, ascending; a stable sort keeps rows in order
-        order = torch.argsort(chosen.flatten(), stable=True)
-        rows_of, weight_of = order // self.top_k, weights.flatten()[order]
-        counts = torch.bincount(chosen.flatten(), minlength=len(self.experts)).tolist()
         out = torch.zeros_like(x)
-        start = 0
-        for expert, n in zip(self.experts, counts):
-            if n:
-                rows = rows_of[start:start + n]
-                y = run(expert, x[rows]) * weight_of[start:start + n, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-                start += n
+        for expert, rows, weight in by_expert(chosen, weights, len(self.experts)):
+            out.index_add_(0, rows, (run(self.experts[expert], x[rows]) * weight[:, None]).to(out.dtype))
         if self.shared_expert is not None:
             shared = run(self.shared_expert, x)
             gated = self.shared_expert_gate is not None
             out = out + (torch.sigmoid(self.shared_expert_gate(x)) * shared if gated else shared)
         return self.shard.all_reduce(out) if self.shard.size > 1 else out
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class FusedExperts(nn.Module):
+    """Llama 4's experts as its checkpoint stores them (this rank's slice of their width): gate_up_proj
+    [experts, hidden, 2 x width], gate's columns then up's, and down_proj [experts, width, hidden],
+    each applied as x @ W (not nn.Linear's x @ W^T)."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard):
+        super().__init__()
+        moe = cfg.moe
+        self.first, width = shard.split(moe.intermediate_size, "experts' intermediate size")
+        self.full_width, self.shard = moe.intermediate_size, shard
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size, 2 * width))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, width, cfg.hidden_size))
+
+    def pieces(self, prefix: str, param: str) -> list[Piece]:
+        """Whole, or this rank's columns of gate's and of up's, its rows of down."""
+        name = f"{prefix}.{param}"
+        if self.shard.size == 1:
+            return [Piece(name)]
+        start, stop = self.first, self.first + self.down_proj.shape[1]
+        if param == "down_proj":
+            return [Piece(name, 1, start, stop)]
+        return [Piece(name, 2, start, stop), Piece(name, 2, self.full_width + start, self.full_width + stop)]
+
+    def forward(self, expert: int, x: torch.Tensor, silu_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        return silu_mul(x @ self.gate_up_proj[expert]) @ self.down_proj[expert]
+
+
+class InputScaledMoE(nn.Module):
+    """Llama 4's mixture of experts, as transformers computes it: the router (a bias-free linear) keeps
+    each row's top k logits, its weights their sigmoids (in fp32, cast back), and each weight scales
+    the row *before* its expert, not the expert's output. transformers runs every expert on every
+    row, the unchosen on rows scaled to zero, which come out zero (no biases): only the chosen add.
+    A shared expert, as wide as each expert, every row goes through, added last. Under tensor
+    parallelism as SparseMoE: the router whole on each rank, a slice of every expert, one all-reduce."""
+
+    def __init__(self, cfg: ModelConfig, shard: Shard, mlp: type[nn.Module]):
+        super().__init__()
+        self.top_k, self.shard = cfg.moe.top_k, shard
+        self.router = Linear(cfg.hidden_size, cfg.moe.num_experts, bias=False)
+        self.experts = FusedExperts(cfg, shard)
+        self.shared_expert = mlp(cfg, shard, cfg.moe.shared_intermediate_size, reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._mix(x, _silu_mul, self.shared_expert(x))
+
+    def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """forward with SiLU x up in one native pass (the CPU kernels)."""
+        return self._mix(x, ops.silu_mul, self.shared_expert.forward_fused(x, ops))
+
+    def _mix(self, x: torch.Tensor, silu_mul, shared: torch.Tensor) -> torch.Tensor:
+        top, chosen = torch.topk(self.router(x), self.top_k, dim=-1)
+        weights = torch.sigmoid(top.float()).to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert, rows, weight in by_expert(chosen, weights, self.experts.down_proj.shape[0]):
+            out.index_add_(0, rows, self.experts(expert, x[rows] * weight[:, None], silu_mul))
+        out = out + shared
+        return self.shard.all_reduce(out) if self.shard.size > 1 else out
+
+
+def sparse_moe(cfg: ModelConfig, shard: Shard, mlp: type[nn.Module]) -> nn.Module:
+    """A sparse layer's module: Llama 4's own, else SparseMoE with the family's router."""
+    return (InputScaledMoE if cfg.moe.routing == "sigmoid_inputs" else SparseMoE)(cfg, shard, mlp)

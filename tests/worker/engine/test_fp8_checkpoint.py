@@ -133,8 +133,8 @@ def test_a_slice_of_an_fp8_weight_is_the_slice_of_the_dequantized_weight(folders
 @pytest.mark.parametrize("quant,says", [
     ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "e5m2"),
-    ({"quant_method": "awq", "bits": 4}, r"quantization_config \(awq\)"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "'pack-quantized'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, r"quantization_config \(bitsandbytes\)"),
+    ({"quant_method": "compressed-tensors", "format": "int-quantized"}, "'int-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {
         "type": "int", "num_bits": 8, "strategy": "channel"}}}}, r"8-bit floats \(here \[\('int', 8\)\]\)"),
     ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {"weights": {

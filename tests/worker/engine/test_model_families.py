@@ -220,9 +220,10 @@ def test_old_spellings_read_the_same(tmp_path, build_tiny):
     (dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.75)),
      "partial_rotary_factor 0.75 .*mistral folder's attention rotates all"),
     (dict(hidden_act="gelu_pytorch_tanh"), "hidden_act 'gelu_pytorch_tanh'"),
-    (dict(quantization_config=dict(quant_method="awq", bits=4)), r"quantization_config \(awq\)"),
-    (dict(architectures=["Llama4ForCausalLM"], model_type="llama4_text"),
-     "unsupported architecture.*Llama4ForCausalLM"),
+    (dict(quantization_config=dict(quant_method="bitsandbytes", load_in_4bit=True)),
+     r"quantization_config \(bitsandbytes\)"),
+    (dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next"),  # its linear-attention layers
+     "unsupported architecture.*Qwen3NextForCausalLM"),
     (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping 50.0 in config.json is not supported for a mistral"),
     (dict(architectures=["GlmForCausalLM"], model_type="glm", rope_parameters=dict(  # 5 of 16 values: an odd number
         rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.3125)),

@@ -8,8 +8,9 @@ head, each head its own weights), GLM-4.5 (a grouped sigmoid router, shared expe
 (experts stored as one tensor, a shared MLP), Phi-3.5-MoE (sparsemixer, a biased head) and DeepSeek-V3 and
 V2 (latent attention: its latent projections whole on each rank, q, kv_b and o split by heads), StableLM 2
 (q and k LayerNormed per head, one checkpoint tensor a head; parallel residuals), Hunyuan (q/k norms
-after RoPE) and Apertus (xIELU's scalars on each rank), with the prefix cache, preemption and seeded
-sampling as at TP = 1."""
+after RoPE), Apertus (xIELU's scalars on each rank) and Llama 4 (experts stored fused, their inputs
+scaled; NoPE layers' queries scaled by position), with the prefix cache, preemption and seeded sampling
+as at TP = 1."""
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,11 @@ MODELS = {  # name: (arch, overrides)
         attention_bias=True, rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0}))),
     # up's rows and down's columns split, xIELU's two scalars (drawn) whole on each rank
     "apertus-xielu": ("apertus", dict(num_kv_heads=2, config_extra=dict(attention_bias=True))),
+    # each rank its columns of gate's and up's out of [experts, hidden, 2 x width], its rows of down's, the
+    # shared expert split, the router whole; a dense rotated layer (weightless q/k norms), then a sparse NoPE one
+    "llama4-fused-experts-nope": ("llama4", dict(num_kv_heads=2, head_dim=16, intermediate_size=32, config_extra=dict(
+        intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2, no_rope_layers=[1, 0],
+        attention_chunk_size=64, floor_scale=4, attn_scale=0.3))),
 }
 # norms drawn around 1, biases around 0 (transformers builds 1 and 0)
 DRAWN = {"phimoe-sparsemixer-head-bias", "deepseek-v3-latent-attention-grouped-router", "deepseek-v2-q-proj-wide-v",
