@@ -48,6 +48,9 @@ class Backend:
         self.generate(prompt, {"max_tokens": 1, "temperature": 0})
 
 
+BATCH_PROMPTS = 16  # the prompts of one batched completion the gateway takes (with n = 1)
+
+
 def mean_logprob(entries: list, first: int, last: int) -> float:
     """The mean over prompt positions [first, last) of the scored token's logprob (vLLM's shape:
     {token id: {"logprob", "rank", ...}}, the scored token's rank being its own)."""
@@ -97,15 +100,18 @@ class Endpoint(Backend):
 
     def score(self, prompt: str, choices: list[str]) -> list[float]:
         """One request for the state alone (its length in tokens, and its blocks in the prefix cache),
-        then one per choice, at once, each scoring only the positions after the state."""
+        then the choices as one batched completion (BATCH_PROMPTS a request, those at once), each
+        scoring only the positions after the state."""
         state_tokens = self._post({"model": self.model, "prompt": prompt, "max_tokens": 1,
                                    "temperature": 0})["usage"]["prompt_tokens"]
 
-        def one(choice: str) -> float:
-            out = self._post({"model": self.model, "prompt": prompt + choice, "max_tokens": 1, "temperature": 0,
-                              "prompt_logprobs": 0, "prompt_logprobs_start": state_tokens})
-            return mean_logprob(out["choices"][0]["prompt_logprobs"], state_tokens, out["usage"]["prompt_tokens"])
-        return list(self._pool.map(one, choices))
+        def batch(some: list[str]) -> list[float]:
+            out = self._post({"model": self.model, "prompt": [prompt + choice for choice in some], "max_tokens": 1,
+                              "temperature": 0, "prompt_logprobs": 0, "prompt_logprobs_start": state_tokens})
+            scored = [c["prompt_logprobs"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+            return [mean_logprob(entries, state_tokens, len(entries)) for entries in scored]
+        parts = [choices[i:i + BATCH_PROMPTS] for i in range(0, len(choices), BATCH_PROMPTS)]
+        return [score for part in self._pool.map(batch, parts) for score in part]
 
     def _post(self, body: dict) -> dict:
         out = self._checked(self.client.post("/v1/completions", json=body))

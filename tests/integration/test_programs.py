@@ -109,10 +109,10 @@ def test_calls_count_against_the_key_and_a_key_without_the_model_gets_403(stack)
     name, secret = _key(stack)
     endpoint = Endpoint(stack.url, secret, "demo")
     s = mixed.run(topic="keys", backend=endpoint)
-    # gen, select (the state + 3 choices), gen, two forks' gens: 8 requests
+    # gen, select (the state, then its 3 choices as one batched completion), gen, two forks' gens: 6 requests
     with httpx.Client(base_url=stack.url, headers={"Authorization": f"Bearer {stack.admin_key}"}) as admin:
         rows = admin.get("/admin/usage", params={"key": name, "since": "1d"}).json()["rows"]
-    assert sum(r["requests"] for r in rows) == 8 and s["verdict"]
+    assert sum(r["requests"] for r in rows) == 6 and s["verdict"]
     _, narrow = _key(stack, models=["other"])
     with pytest.raises(ProgramError) as err:
         mixed.run(topic="keys", backend=Endpoint(stack.url, narrow, "demo"))
@@ -208,3 +208,17 @@ def test_a_batch_of_prompts_answers_each_as_alone_in_openais_order(stack, tiny_m
     with pytest.raises(RateLimitError):
         small.completions.create(prompt=[ids[1]] * 16, model="demo", max_tokens=2)
     assert small.completions.create(prompt=[ids[1]] * 2, model="demo", max_tokens=2).usage.total_tokens == 2 * one
+
+
+def test_a_select_past_one_batch_scores_as_the_in_process_engine(stack, local):
+    """A select of 20 choices through the gateway (two batched completions of 16 and 4, sent at
+    once) picks and scores as the in-process backend does."""
+    endpoint = Endpoint(stack.url, stack.key, "demo")
+    try:
+        choices = [f" option {i}" + " and more" * (i % 3) for i in range(20)]
+        state = "Pick the best one of these:"
+        remote, here = endpoint.score(state, choices), local.score(state, choices)
+        assert remote == pytest.approx(here, abs=1e-4) and len(set(remote)) > 10
+        assert endpoint.usage["requests"] == 3
+    finally:
+        endpoint.close()
