@@ -226,8 +226,13 @@ class CompletionRequest(_Sampling):
     @field_validator("prompt", mode="before")
     @classmethod
     def _one_token_prompt(cls, v):
-        """A batch of one token-id list is that prompt (read as one, so its bad id is named as one's)."""
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], list):
+        """A batch of one token-id list is that prompt (read as one, so its bad id is named as one's);
+        a batch mixing strings and id lists is named as such (the union would name a branch's error)."""
+        if not (isinstance(v, list) and v and isinstance(v[0], (str, list))):
+            return v
+        if any(type(p) is not type(v[0]) for p in v):
+            raise ValueError("a batch's prompts are all strings or all lists of token ids")
+        if len(v) == 1 and isinstance(v[0], list) and not (v[0] and isinstance(v[0][0], (str, list))):
             return v[0]
         return v
 

@@ -78,8 +78,12 @@ def test_a_batch_of_one_prompt_is_that_prompt_and_a_batchs_choices_are_bounded_a
         _completion(prompt=[[1] * (bounds.PROMPT_TOKEN_IDS // 2 + 1)] * 2)
     with pytest.raises(ValidationError):  # the one list still bounded like any token-id prompt
         _completion(prompt=[[1] * (bounds.PROMPT_TOKEN_IDS + 1)])
-    with pytest.raises(ValidationError):  # strings and ids are not mixed
-        _completion(prompt=["a", [1]])
+    for mixed in (["a", [1]], [[1], "a"], ["a", 5]):  # strings and ids are not mixed
+        with pytest.raises(ValidationError, match="all strings or all lists of token ids"):
+            _completion(prompt=mixed)
+    for nested in ([["a"]], [[[1]]]):  # a batch of one list is one prompt of ids, and no deeper
+        with pytest.raises(ValidationError, match="valid integer"):
+            _completion(prompt=nested)
 
 
 def _route_bodies():
