@@ -1,6 +1,7 @@
-"""vLLM's /tokenize and /detokenize. The gateway has no tokenizer, so each is an entry of its own
-kind (shared/protocol.py, schema v5) on the model's stream, which a worker's admission answers from
-its tokenizer without running the engine (worker/tokenizer_kinds.py).
+"""vLLM's /tokenize, /detokenize and /tokenizer_info. The gateway has no tokenizer, so each is an
+entry of its own kind (shared/protocol.py, schema v5; v8 for the info) on the model's stream, which a
+worker's admission answers from its tokenizer without running the engine (worker/tokenizer_kinds.py).
+As vLLM serving one model, each takes no model as the one served model the key may use.
 
 Governance as on /v1: the same key, its model access (403), a request of its minute and a slot in
 flight (admission), the same dispatcher and reply path, and one request in its usage. No tokens are
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from typing import Annotated
 
-from fastapi import APIRouter, Depends
+import orjson
+from fastapi import APIRouter, Depends, Query
 
+from gateway import bounds as b
 from gateway import structured
 from gateway.admission import Admitted, Lease, admit
 from gateway.deps import StateDep
@@ -36,10 +40,11 @@ NOTHING_CHARGED = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0
 @router.post("/tokenize", response_model=TokenizeResponse)
 async def tokenize(body: TokenizeRequest, lease: Admitted, state: StateDep):
     """A prompt's ids, or a chat's as its template renders them (tools and template kwargs included)."""
+    model = await _model_of(state, lease, body.model)
     if body.tools:  # the tools' schemas are read as chat reads them: tokenizing says what chat would refuse
-        check_model_allowed(lease.key, body.model)
+        check_model_allowed(lease.key, model)
         await state.checker.check(structured.checks(None, body.tools), lease.key.id)
-    reply, facts, headers = await _ask(state, lease, body.model, "tokenize", body.entry_fields())
+    reply, facts, headers = await _ask(state, lease, model, "tokenize", body.entry_fields())
     # a 1 MiB prompt is ~10^6 ids (and as many strings): written by orjson from the reply as it
     # came, not built into a model and encoded by the stdlib (~0.2 s of the event loop each)
     return json_body({"count": len(reply.token_ids), "max_model_len": facts.max_model_len,
@@ -48,9 +53,31 @@ async def tokenize(body: TokenizeRequest, lease: Admitted, state: StateDep):
 
 @router.post("/detokenize", response_model=DetokenizeResponse)
 async def detokenize(body: DetokenizeRequest, lease: Admitted, state: StateDep):
-    reply, _, headers = await _ask(state, lease, body.model, "detokenize",
+    reply, _, headers = await _ask(state, lease, await _model_of(state, lease, body.model), "detokenize",
                                    {"prompt_token_ids": body.tokens}, tokens=body.tokens)
     return json_body({"prompt": reply.text}, headers)
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(lease: Admitted, state: StateDep,
+                         model: Annotated[str | None, Query(min_length=1, max_length=b.MODEL_NAME_CHARS)] = None):
+    """vLLM's: the model's special tokens, chat template, class and context length, so that a client
+    tokenizes as the server does without the model folder (lm-evaluation-harness's remote tokenizer)."""
+    reply, _, headers = await _ask(state, lease, await _model_of(state, lease, model), "tokenizer_info", {})
+    return json_body(orjson.loads(reply.text), headers)
+
+
+async def _model_of(state: GatewayState, lease: Lease, model: str | None) -> str:
+    """The model named, or — named by none, as vLLM serving one model takes it — the one served model
+    this key may use."""
+    if model is not None:
+        return model
+    usable = [name for name in await state.registry.live_names() if lease.key.allows(name)]
+    if len(usable) != 1:
+        raise InvalidRequest(f"model is required: this key may use {len(usable)} served models"
+                             + (f" ({', '.join(sorted(usable)[:8])}{', …' if len(usable) > 8 else ''})"
+                                if usable else ""), param="model", code="model_required")
+    return usable[0]
 
 
 async def _ask(state: GatewayState, lease: Lease, model: str, kind: str, fields: dict,

@@ -12,13 +12,19 @@ from gateway.schemas import ChatMessage, TokenId
 from shared import protocol
 
 
+# as vLLM, which serves one model, takes these without one (lm-evaluation-harness's remote tokenizer
+# sends none)
+MODEL_DEFAULT = "Left out: the one served model this key may use (400 when it may use several)"
+
+
 class TokenizeRequest(BaseModel):
     """vLLM's two tokenize requests in one body: a `prompt` (TokenizeCompletionRequest) or a chat's
     `messages` (TokenizeChatRequest), exactly one; the chat-only fields need messages."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
+    model: str | None = Field(None, min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"],
+                              description=MODEL_DEFAULT)
     prompt: str | None = Field(None, examples=["Hello"])
     messages: list[ChatMessage] | None = Field(None, min_length=1, max_length=b.MESSAGES, fail_fast=True)
     add_special_tokens: StrictBool | None = Field(None, description="Add the tokenizer's special tokens "
@@ -66,7 +72,8 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"])
+    model: str | None = Field(None, min_length=1, max_length=b.MODEL_NAME_CHARS, examples=["demo"],
+                              description=MODEL_DEFAULT)
     tokens: list[TokenId] = Field(max_length=b.PROMPT_TOKEN_IDS, fail_fast=True, description="At most the model's "
                                   "context length, each inside its vocabulary (400 otherwise)")
 

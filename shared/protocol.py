@@ -49,8 +49,9 @@ WireParams = _wire_params()
 ENTRY_PARAMS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.metadata.get(ON_ENTRY))
 
 
-# v5: kinds a worker answers from its tokenizer alone (vLLM's /tokenize, /detokenize): never run
-TOKENIZER_KINDS = ("tokenize", "detokenize")
+# v5: kinds a worker answers from its tokenizer alone (vLLM's /tokenize, /detokenize; v8 its
+# /tokenizer_info): never run
+TOKENIZER_KINDS = ("tokenize", "detokenize", "tokenizer_info")
 
 
 class RenderOptions(BaseModel):
@@ -70,7 +71,7 @@ class RequestEntry(BaseModel):
     reply_channel: str
     model: str
     version: str
-    kind: Literal["chat", "completion", "tokenize", "detokenize"]
+    kind: Literal["chat", "completion", "tokenize", "detokenize", "tokenizer_info"]
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None  # a message may carry tool_calls / tool_call_id
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, given to the chat template
@@ -174,7 +175,8 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
 NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
-                         "prompt_logprobs": 4, "tokenize": 5, "echo": 8, "batched prompts": 8}
+                         "prompt_logprobs": 4, "tokenize": 5, "echo": 8, "batched prompts": 8,
+                         "tokenizer_info": 8}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
@@ -183,7 +185,8 @@ def missing_features(entry: RequestEntry, version: int) -> list[str]:
             "structured_outputs": entry.params.structured_outputs, "logit_bias": entry.params.logit_bias,
             "prompt_logprobs": entry.params.prompt_logprobs is not None,
             "tokenize": entry.kind in TOKENIZER_KINDS,  # an older worker cannot read the kind
-            "echo": entry.echo_prompt, "batched prompts": entry.prompts is not None}
+            "echo": entry.echo_prompt, "batched prompts": entry.prompts is not None,
+            "tokenizer_info": entry.kind == "tokenizer_info"}
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

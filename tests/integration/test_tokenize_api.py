@@ -110,3 +110,29 @@ def test_governance_401_403_and_the_request_counted_with_no_tokens(cluster):
     row = httpx.get(cluster.url + "/admin/usage", params={"key": name, "since": "1d"},
                     headers={"Authorization": f"Bearer {ADMIN}"}, timeout=30).json()["rows"][0]
     assert (row["requests"], row["prompt_tokens"], row["completion_tokens"]) == (3, 0, 0)
+
+
+def test_lm_evals_remote_tokenizer_reads_the_info_and_tokenizes_without_naming_the_model(cluster, hf):
+    """lm-evaluation-harness's RemoteTokenizer (vLLM's endpoints): GET /tokenizer_info for the special
+    tokens and the chat template, /tokenize and /detokenize with no model — the one this key may use —
+    and the eos token's text tokenizes to the eos id."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    info = httpx.get(cluster.url + "/tokenizer_info", headers=headers, timeout=60)
+    assert info.status_code == 200, info.text
+    body = info.json()
+    assert (body["eos_token"], body["bos_token"], body["chat_template"]) == (hf.eos_token, hf.bos_token,
+                                                                             hf.chat_template)
+    assert body["model_max_length"] > 0 and body["vocab_size"] == len(hf) and body["tokenizer_class"]
+    assert httpx.get(cluster.url + "/tokenizer_info", params={"model": "demo"}, headers=headers).json() == body
+    eos = _post(cluster, "/tokenize", {"prompt": body["eos_token"], "add_special_tokens": False}).json()
+    assert eos["tokens"] == [hf.eos_token_id]
+    text = "lm-eval scores this"
+    ids = _post(cluster, "/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert ids == hf.encode(text, add_special_tokens=False)
+    assert _post(cluster, "/detokenize", {"tokens": ids}).json()["prompt"] == text
+    # a key that may use no served model (or several) must name one; an unknown one is the usual 404
+    narrow = _key(cluster, f"narrow-{secrets.token_hex(3)}", models=["other"])
+    refused = _post(cluster, "/tokenize", {"prompt": text}, key=narrow)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "model_required"
+    assert httpx.get(cluster.url + "/tokenizer_info", headers=headers, params={"model": "nope"}).status_code == 404
+    assert httpx.get(cluster.url + "/tokenizer_info").status_code == 401

@@ -101,7 +101,7 @@ def test_tokenizer_kinds_are_schema_5_and_never_sent_to_an_older_worker():
     assert "token_strs" not in orjson.loads(protocol.encode(delta, version=4))
 
 
-def test_echo_prompt_and_batched_prompts_are_schema_8_and_never_sent_to_an_older_worker():
+def test_echo_prompt_batched_prompts_and_tokenizer_info_are_schema_8_and_never_sent_to_an_older_worker():
     entry = _entry(kind="completion", messages=None, prompt_token_ids=[1, 2], echo_prompt=True)
     assert protocol.decode_entry(protocol.encode(entry)).echo_prompt
     assert protocol.missing_features(entry, 7) == ["echo"] and protocol.missing_features(entry, 8) == []
@@ -111,6 +111,9 @@ def test_echo_prompt_and_batched_prompts_are_schema_8_and_never_sent_to_an_older
         assert protocol.decode_entry(protocol.encode(batch)).prompts == prompts
         assert protocol.missing_features(batch, 7) == ["batched prompts"] and b"prompts" not in protocol.encode(
             batch, version=7)
+    info = _entry(kind="tokenizer_info", messages=None)
+    assert protocol.decode_entry(protocol.encode(info)) == info
+    assert protocol.missing_features(info, 7) == ["tokenizer_info"] and protocol.missing_features(info, 8) == []
     delta = protocol.Delta(request_id="r", seq=1, prompt_texts=["<s> hi", "yo"])
     assert protocol.decode_reply(protocol.encode(delta)).prompt_texts == ["<s> hi", "yo"]
     assert "prompt_texts" not in orjson.loads(protocol.encode(delta, version=7))
