@@ -95,9 +95,14 @@ def folders(request, build_tiny, tmp_path_factory):
 def test_an_fp8_folder_answers_as_transformers_on_its_dequantized_weights(folders, random_prompts, hf_greedy):
     fp8, ref, _ = folders
     assert read_model_config(fp8).fp8.suffix in ("_scale_inv", "_scale")
-    prompts = random_prompts(3, 5, 40, seed=8)
+    answers_as_reference(fp8, ref, random_prompts(3, 5, 40, seed=8), hf_greedy)
+
+
+def answers_as_reference(folder, ref, prompts, hf_greedy) -> None:
+    """A quantized `folder` is token-exact with transformers on `ref` (the same model saved with the
+    dequantized weights) on the CPU paths, and its first token's top 5 logprobs are the reference's."""
     expected = hf_greedy(ref, prompts, GREEDY.max_tokens)
-    llm = exact_on_cpu_paths(fp8, prompts, expected)
+    llm = exact_on_cpu_paths(folder, prompts, expected)
     reference = LLM(ref, attention_backend="torch")
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
     [got], [want] = llm.generate(prompts[:1], params), reference.generate(prompts[:1], params)

@@ -19,9 +19,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tests.worker.engine.test_model_families import GREEDY, exact_on_cpu_paths, tokens, with_norms_drawn
+from tests.worker.engine.test_fp8_checkpoint import answers_as_reference
+from tests.worker.engine.test_model_families import GREEDY, tokens, with_norms_drawn
 from worker.engine.llm import LLM
-from worker.engine.types import SamplingParams
 from worker.models.config import read_model_config
 from worker.models.loader import _read_dequantized, load_model, weight_files
 from worker.models.parallel import Piece, Shard
@@ -177,15 +177,7 @@ def folders(request, build_tiny, tmp_path_factory):
 def test_an_int_folder_answers_as_transformers_on_its_dequantized_weights(folders, random_prompts, hf_greedy):
     int_dir, ref, *_ = folders
     assert read_model_config(int_dir).int_weights is not None
-    prompts = random_prompts(3, 5, 40, seed=9)
-    expected = hf_greedy(ref, prompts, GREEDY.max_tokens)
-    llm = exact_on_cpu_paths(int_dir, prompts, expected)
-    reference = LLM(ref, attention_backend="torch")
-    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=5)
-    [got], [want] = llm.generate(prompts[:1], params), reference.generate(prompts[:1], params)
-    got, want = got.outputs[0].logprobs[0].top, want.outputs[0].logprobs[0].top
-    assert [t for t, _ in got] == [t for t, _ in want]
-    assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-5)
+    answers_as_reference(int_dir, ref, random_prompts(3, 5, 40, seed=9), hf_greedy)
 
 
 def test_the_quantization_is_not_a_no_op(folders):
