@@ -26,6 +26,7 @@ from torch import nn
 
 from worker.models.config import ModelConfig
 from worker.models.llama import Attention, CausalLM
+from worker.models.moe import by_expert
 from worker.models.olmo import OlmoRMSNorm
 from worker.models.parallel import SINGLE, Piece, Shard
 
@@ -71,18 +72,11 @@ class GptOssMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, chosen = torch.topk(F.linear(x, self.router.weight, self.router.bias), self.top_k, dim=-1)
         weights = torch.softmax(top, dim=1, dtype=top.dtype)  # [rows, k]
-        # the (row, slot) pairs grouped by expert, ascending: each row's sum in transformers' order
-        order = torch.argsort(chosen.flatten(), stable=True)
-        rows_of, weight_of = order // self.top_k, weights.flatten()[order]
-        counts = torch.bincount(chosen.flatten(), minlength=self.experts.gate_up_proj.shape[0]).tolist()
-        experts, out, start = self.experts, torch.zeros_like(x), 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = rows_of[start:start + n]
-                gate_up = x[rows] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
-                y = self._swiglu(gate_up) @ experts.down_proj[e] + experts.down_proj_bias[e]  # zeros but on rank 0
-                out.index_add_(0, rows, (y * weight_of[start:start + n, None]).to(out.dtype))
-                start += n
+        experts, out = self.experts, torch.zeros_like(x)
+        for e, rows, weight in by_expert(chosen, weights, experts.gate_up_proj.shape[0]):
+            gate_up = x[rows] @ experts.gate_up_proj[e] + experts.gate_up_proj_bias[e]
+            y = self._swiglu(gate_up) @ experts.down_proj[e] + experts.down_proj_bias[e]  # zeros but on rank 0
+            out.index_add_(0, rows, (y * weight[:, None]).to(out.dtype))
         return self.shard.all_reduce(out) if self.shard.size > 1 else out
 
     def forward_fused(self, x: torch.Tensor, ops) -> torch.Tensor:
