@@ -47,9 +47,10 @@ class AttentionBackend(Protocol):
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None, softcap: float | None = None,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """Causal attention of new queries [T, Hq, D] over each sequence's cached context (GQA);
-        with a sliding `window`, a query at position p reads keys (p - window, p] only; with
-        `softcap` (Gemma 2) each score capped to softcap * tanh(score / softcap); with `sinks` [Hq]
-        (gpt-oss) each head's sink logit in the softmax's denominator, a key with no value."""
+        with a sliding `window`, a query at position p reads keys (p - window, p] only; with a
+        `chunk` (Llama 4's chunked layers; never with a window), keys [p - p % chunk, p] only, its own
+        chunk's; with `softcap` (Gemma 2) each score capped to softcap * tanh(score / softcap); with
+        `sinks` [Hq] (gpt-oss) each head's sink logit in the softmax's denominator, a key with no value."""
         ...

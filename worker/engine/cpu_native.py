@@ -52,7 +52,7 @@ static inline void prefetch(const float* p, size_t n) {
 }
 void paged_decode_f32(const float* q, const float* kc, const float* vc, const int* bt, const int* lens,
                       float* out, int B, int Hq, int Hkv, int bs, int bt_stride, int q_stride, float scale,
-                      int window, float softcap, const float* sinks, int pf, int nthreads) {
+                      int window, int chunk, float softcap, const float* sinks, int pf, int nthreads) {
   const int G = Hq / Hkv;
   const size_t row_len = (size_t)Hkv * HEAD_DIM, block_len = row_len * bs;
   #pragma omp parallel num_threads(nthreads)
@@ -61,8 +61,10 @@ void paged_decode_f32(const float* q, const float* kc, const float* vc, const in
     #pragma omp for schedule(dynamic, 1)
     for (int b = 0; b < B; b++) {
       const int L = lens[b];
-      /* a sliding window (window > 0) attends the last `window` keys only: from `first` on */
-      const int first = window > 0 && L > window ? L - window : 0, W = L - first;
+      /* from `first` on: a sliding window (window > 0) attends the last `window` keys only; a chunked
+         layer (chunk > 0, Llama 4's) the new token's chunk only, from key (L - 1) - (L - 1) % chunk */
+      const int first = chunk > 0 ? (L - 1) - (L - 1) % chunk : window > 0 && L > window ? L - window : 0;
+      const int W = L - first;
       if (W * Hq > cap) { free(sc); cap = W * Hq; sc = (float*)malloc(sizeof(float) * cap); }
       const float* qb = q + (size_t)b * q_stride;
       const int* row = bt + (size_t)b * bt_stride;
@@ -383,9 +385,10 @@ class CpuKernels:
 
     def paged_decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale: float,
                      window: int | None = None, softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; the caches contiguous [blocks, block_size, Hkv, D];
-        with a sliding `window`, over each sequence's last `window` keys only; with `softcap`, the
+        with a sliding `window`, over each sequence's last `window` keys only; with a `chunk`, over
+        the keys of the new token's chunk only (from (L - 1) - (L - 1) % chunk on); with `softcap`, the
         scores capped to softcap * tanh(score / softcap) before the softmax; with `sinks` [Hq]
         (gpt-oss), each head's sink logit in the softmax's denominator."""
         batch, num_heads, dim = query.shape
@@ -397,7 +400,7 @@ class CpuKernels:
         sinks = sinks.float().contiguous() if sinks is not None else None
         self.lib.paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
                                   lens.data_ptr(), out.data_ptr(), batch, num_heads, kv_heads, block_size,
-                                  tables.shape[1], q.stride(0), scale, window or 0, softcap or 0.0,
+                                  tables.shape[1], q.stride(0), scale, window or 0, chunk or 0, softcap or 0.0,
                                   sinks.data_ptr() if sinks is not None else None, int(self.prefetch),
                                   torch.get_num_threads())
         return out
@@ -481,7 +484,7 @@ def _rows_of(t: torch.Tensor, width: int) -> bool:
 
 _I, _P, _F = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
 _SIGNATURES = {
-    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _F, _P, _I, _I],
+    "paged_decode_f32": [_P] * 6 + [_I] * 6 + [_F, _I, _I, _F, _P, _I, _I],
     "write_kv_f32": [_P] * 5 + [_I] * 4 + [ctypes.c_int64, _I],
     "add_rmsnorm_f32": [_P] * 4 + [_I, _I, _F, _I],
     "head_rmsnorm_f32": [_P, _P] + [_I] * 5 + [_F, _I],

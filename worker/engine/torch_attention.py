@@ -44,14 +44,16 @@ class TorchAttention:
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """`window`: a sliding window's width; `softcap`: Gemma 2's attention soft-cap (scores
-        become softcap * tanh(score / softcap) before the softmax); `sinks`: gpt-oss's per-head
-        sink logits (one more term in each softmax's denominator, with no value). SDPA can apply
-        neither: those layers take the explicit softmax (`_attention`)."""
+               softcap: float | None = None, sinks: torch.Tensor | None = None,
+               chunk: int | None = None) -> torch.Tensor:
+        """`window`: a sliding window's width; `chunk`: Llama 4's attention chunk (a query at p reads
+        keys [p - p % chunk, p]); `softcap`: Gemma 2's attention soft-cap (scores become softcap *
+        tanh(score / softcap) before the softmax); `sinks`: gpt-oss's per-head sink logits (one more
+        term in each softmax's denominator, with no value). SDPA can apply neither of the last two:
+        those layers take the explicit softmax (`_attention`)."""
         if meta.is_decode_only:
             return self._decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, window, softcap,
-                                sinks)
+                                sinks, chunk)
         out = torch.empty_like(query)
         starts = meta.query_start_loc.tolist()
         decode_rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
@@ -59,22 +61,22 @@ class TorchAttention:
             rows = torch.tensor(decode_rows, device=query.device)
             tokens = torch.tensor([starts[b] for b in decode_rows], device=query.device)
             out[tokens] = self._decode(query[tokens], k_cache, v_cache, meta.block_tables[rows],
-                                       meta.seq_lens[rows], scale, window, softcap, sinks)
+                                       meta.seq_lens[rows], scale, window, softcap, sinks, chunk)
         for b, (n, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if n > 1:
                 q = query[starts[b]:starts[b] + n]
                 out[starts[b]:starts[b] + n] = self._prefill(q, k_cache, v_cache, meta.block_tables[b],
-                                                             seq_len, scale, window, softcap, sinks)
+                                                             seq_len, scale, window, softcap, sinks, chunk)
         return out
 
     def _decode(self, query, k_cache, v_cache, block_tables, seq_lens, scale, window=None,
-                softcap=None, sinks=None) -> torch.Tensor:
+                softcap=None, sinks=None, chunk=None) -> torch.Tensor:
         """query [B, Hq, D] -> [B, Hq, D]; GQA groups ride along as extra query rows per KV head."""
         kernels = self.kernels
         if kernels is not None and kernels.usable(query, k_cache, v_cache) and k_cache.is_contiguous() \
                 and v_cache.is_contiguous():
             return kernels.paged_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, window, softcap,
-                                        sinks)
+                                        sinks, chunk)
         batch, num_heads, dim = query.shape
         block_size, kv_heads = k_cache.shape[1:3]
         max_len = int(seq_lens.max())
@@ -86,6 +88,8 @@ class TorchAttention:
         mask = keys < seq_lens.unsqueeze(1)
         if window:
             mask &= keys >= (seq_lens - window).unsqueeze(1)
+        elif chunk:  # the new token sits at seq_len - 1: from its chunk's first key on
+            mask &= keys >= ((seq_lens - 1) // chunk * chunk).unsqueeze(1)
         q = query.view(batch, kv_heads, num_heads // kv_heads, dim)
         heads_sinks = sinks.view(1, kv_heads, num_heads // kv_heads, 1) if sinks is not None else None
         out = _attention(q, k, v, mask[:, None, None, :], scale, softcap, heads_sinks)
@@ -105,9 +109,10 @@ class TorchAttention:
     @staticmethod
     def _prefill(query, k_cache, v_cache, block_table, seq_len: int, scale: float,
                  window: int | None = None, softcap: float | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         """query [n, Hq, D], the last n of seq_len positions; causal over the cached context (within
-        the last `window` positions of each query's, with one).
+        the last `window` positions of each query's, with one; within each query's own `chunk`, with
+        one: a row at p from key p - p % chunk on).
         4-D inputs with K/V expanded to every query head keep SDPA on its flash kernel on CPU
         (3-D inputs, or enable_gqa with a mask, fall back to materialising every score)."""
         n, num_heads, dim = query.shape
@@ -119,13 +124,16 @@ class TorchAttention:
             k, v = k.repeat_interleave(num_heads // kv_heads, 0), v.repeat_interleave(num_heads // kv_heads, 0)
         q, k, v = query.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
         windowed = window is not None and window < seq_len
-        if n == seq_len and not windowed and softcap is None and sinks is None:
+        chunked = chunk is not None and chunk < seq_len  # within the first chunk: causal
+        if n == seq_len and not windowed and not chunked and softcap is None and sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         else:
             pos, keys = torch.arange(seq_len - n, seq_len, device=query.device), torch.arange(seq_len, device=query.device)
             mask = keys <= pos.unsqueeze(1)
             if windowed:
                 mask &= keys > (pos - window).unsqueeze(1)
+            elif chunked:
+                mask &= keys >= (pos - pos % chunk).unsqueeze(1)
             out = _attention(q, k, v, mask, scale, softcap, sinks.view(1, num_heads, 1, 1) if sinks is not None
                              else None)
         return out[0].transpose(0, 1)

@@ -51,16 +51,17 @@ class TritonAttentionBackend:
 
     def attend(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float, window: int | None = None,
-               softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+               softcap: float | None = None, sinks: torch.Tensor | None = None,
+               chunk: int | None = None) -> torch.Tensor:
         if query.is_cuda and not torch.cuda.is_current_stream_capturing():
             self._warm_once(query, k_cache, v_cache, scale, softcap, sinks)
         if meta.is_decode_only:
             return decode_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                     scale, num_kv_splits=self._splits(query, k_cache, meta), window=window,
-                                    softcap=softcap, sinks=sinks)
+                                    softcap=softcap, sinks=sinks, chunk=chunk)
         return extend_attention(query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                 meta.query_start_loc, meta.max_query_len, scale, block_m=MAX_EXTEND_TILE,
-                                window=window, softcap=softcap, sinks=sinks)
+                                window=window, softcap=softcap, sinks=sinks, chunk=chunk)
 
     def warm_up(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 scale: float, softcap: float | None = None,

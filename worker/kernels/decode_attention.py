@@ -5,8 +5,9 @@ Flash-decoding: each sequence's context is cut into NUM_SPLITS equal parts, one 
 the kv head (GQA), and a second kernel merges the partials by their log-sum-exp. A sequence's split
 length is computed in the kernel from its own length, so ragged batches stay balanced and the grid
 depends only on tensor shapes (a captured CUDA graph stays valid for any lengths). With a sliding
-window (window > 0) the splits cover the last `window` keys only. With a soft-cap (Gemma 2's
-SOFTCAP > 0) each score becomes SOFTCAP * tanh(score / SOFTCAP) before the softmax. With sinks
+window (window > 0) the splits cover the last `window` keys only; in a chunked layer (chunk > 0,
+Llama 4's) the new token's chunk only, from key (seq_len - 1) // chunk * chunk on. With a soft-cap
+(Gemma 2's SOFTCAP > 0) each score becomes SOFTCAP * tanh(score / SOFTCAP) before the softmax. With sinks
 (gpt-oss's learned logit per head, HAS_SINKS) the merge counts each head's sink once in the
 softmax's denominator, as a key with no value.
 """
@@ -28,12 +29,13 @@ def soft_cap(qk, SOFTCAP: tl.constexpr):
     return (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)) * (SOFTCAP * 1.4426950408889634)
 
 
-# the table's width changes every step, a window per layer: one compile for all of them
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+# the table's width changes every step, a window or chunk per layer: one compile for all of them
+@triton.jit(do_not_specialize=["stride_bt", "window", "chunk"])
 def _decode_partial_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, part_out_ptr, part_lse_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # > 0: a sliding window, the last `window` keys; 0: the whole context
+    chunk,  # > 0: attention by chunks, the new token's chunk only; 0: the whole context
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -51,6 +53,8 @@ def _decode_partial_kernel(
 
     seq_len = tl.load(seq_lens_ptr + seq)
     first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    if chunk > 0:  # the chunk of the new token at seq_len - 1 (a padding row's 0 reads none)
+        first = tl.maximum(seq_len - 1, 0) // chunk * chunk
     split_len = tl.cdiv(tl.cdiv(seq_len - first, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -133,10 +137,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                      num_kv_splits: int = 1, block_n: int = 64, num_stages: int = 2,
                      out: torch.Tensor | None = None, window: int | None = None,
-                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     chunk: int | None = None) -> torch.Tensor:
     """Attention of one query token per sequence (query [B, Hq, D]) over its paged context (its
-    last `window` keys, with a sliding window; scores soft-capped with a `softcap`; each head's
-    sink logit in its softmax's denominator, with `sinks` [Hq]).
+    last `window` keys, with a sliding window; its own chunk's keys, with a `chunk`; scores
+    soft-capped with a `softcap`; each head's sink logit in its softmax's denominator, with `sinks` [Hq]).
 
     seq_lens[b] counts the whole context including the new token, whose K/V are already written.
     A sequence of length 0 (a padding row) gets zeros.
@@ -157,7 +162,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_d = triton.next_power_of_2(head_dim)
     _decode_partial_kernel[(num_seqs, kv_heads, num_kv_splits)](
         query, k_cache, v_cache, block_tables, seq_lens, part_out, part_lse,
-        scale * LOG2E, window or 0,
+        scale * LOG2E, window or 0, chunk or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -5,8 +5,9 @@ seq_len - query_len positions came from earlier steps or a prefix-cache hit. The
 before attention runs, so every key is read from the cache the same way. One program covers
 BLOCK_Q new tokens times all query heads of one kv head (GQA rows packed into the tile's M side),
 so each K/V tile is loaded once per kv head, and a decode row (query_len 1) costs one small tile.
-With a sliding window (window > 0) a row at position p reads keys (p - window, p] only, and a tile
-starts at the first key its earliest row sees. A soft-cap (SOFTCAP > 0, Gemma 2's) caps each
+With a sliding window (window > 0) a row at position p reads keys (p - window, p] only; in a chunked
+layer (chunk > 0, Llama 4's) keys [p - p % chunk, p], its own chunk's, each row from its own first key;
+a tile starts at the first key its earliest row sees. A soft-cap (SOFTCAP > 0, Gemma 2's) caps each
 score as the decode kernel does (`soft_cap`). With sinks (gpt-oss's, HAS_SINKS) each row's running
 softmax starts from its head's sink logit, counted once in the denominator, with no value.
 """
@@ -22,13 +23,14 @@ LOG2E = 1.4426950408889634
 NO_SCORE = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2 never sees inf - inf
 
 
-# the table's width changes every step, a window per layer: one compile for all of them
-@triton.jit(do_not_specialize=["stride_bt", "window"])
+# the table's width changes every step, a window or chunk per layer: one compile for all of them
+@triton.jit(do_not_specialize=["stride_bt", "window", "chunk"])
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     qk_scale,  # softmax scale * log2(e): the kernel works in base 2
     window,  # > 0: a sliding window; 0: the whole context
+    chunk,  # > 0: attention by chunks, each row within its own; 0: the whole context
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -71,7 +73,13 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)  # last key any row sees + 1
-    kv_start = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    # each row's first key: its chunk's or its window's, key 0 for neither (2^30 past any position). No
+    # branch: a branch per layer kind here made ptxas spill in the 32-row tiles (ops/gpu/compile_check.py)
+    span = tl.where(chunk > 0, chunk, 1 << 30)
+    reach = tl.where(window > 0, window, 1 << 30)
+    row_first = tl.maximum(q_pos - q_pos % span, q_pos - reach + 1)
+    first_pos = context_len + q_block * BLOCK_Q  # the tile's earliest row, which sees its earliest key
+    kv_start = tl.maximum(tl.maximum(first_pos - first_pos % span, first_pos - reach + 1), 0)
     table = block_tables_ptr + seq * stride_bt
     for n0 in range(kv_start, kv_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -84,8 +92,8 @@ def _extend_kernel(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFTCAP > 0:  # Gemma 2's: cap * tanh(score / cap)
             qk = soft_cap(qk, SOFTCAP)
-        in_window = (window == 0) | (offs_n[None, :] > q_pos[:, None] - window)
-        causal = (offs_n[None, :] <= q_pos[:, None]) & mask_n[None, :] & in_window
+        visible = (offs_n[None, :] >= row_first[:, None]) & (offs_n[None, :] <= q_pos[:, None])
+        causal = visible & mask_n[None, :]
         qk = tl.where(causal, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -116,10 +124,11 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                      query_start_loc: torch.Tensor, max_query_len: int, scale: float,
                      block_m: int = 64, block_n: int = 64,
                      out: torch.Tensor | None = None, window: int | None = None,
-                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None,
+                     chunk: int | None = None) -> torch.Tensor:
     """Causal attention of a flattened batch of new tokens (query [T, Hq, D]) over paged contexts
-    (soft-capped scores with a `softcap`; each head's sink logit in its softmax's denominator, with
-    `sinks` [Hq]).
+    (within a sliding `window`, or each row's own `chunk`, with one; soft-capped scores with a
+    `softcap`; each head's sink logit in its softmax's denominator, with `sinks` [Hq]).
 
     Sequence b owns query rows [query_start_loc[b], query_start_loc[b+1]) and has seq_lens[b] keys
     in the cache, this step's included. block_m is the tile height in (token, head) rows.
@@ -141,7 +150,7 @@ def extend_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     _extend_kernel[(num_seqs, kv_heads, triton.cdiv(max_query_len, block_q))](
         query, k_cache, v_cache, out,
         block_tables, seq_lens, query_start_loc, sinks if sinks is not None else seq_lens,  # unread without
-        scale * LOG2E, window or 0,
+        scale * LOG2E, window or 0, chunk or 0,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -34,13 +34,12 @@ Llama 4 (its text model, from Llama4ForCausalLM and Llama4ForConditionalGenerati
 with RoPE by adjacent pairs, q/k normed per head without weights after RoPE in the rotated layers
 only (`qk_norm` "weightless"), every fourth layer unrotated with its queries scaled by position
 (`attn_temperature`), and experts in some layers, their inputs scaled by sigmoid weights, beside a
-shared expert (worker/models/moe.py's InputScaledMoE).
-Two things cap the context served below the model's (`ModelConfig.context_cap`), where the model
+shared expert (worker/models/moe.py's InputScaledMoE); its rotated layers attend by chunks
+(`layer_chunks`: a token sees only its own chunk of 8,192 tokens), which every attention path masks.
+One thing caps the context served below the model's (`ModelConfig.context_cap`), where the model
 computes exactly what kvgate computes and no further: LongRoPE (Phi-3's 128k variants, Phi-3.5-MoE),
 whose short factors hold up to the original context and whose long ones, past it, would change every
-position's rotation at once — which neither a paged cache nor a prefix cache can follow; and Llama 4's
-chunked attention (`attention_chunk`: its rotated layers attend only within chunks of 8,192 tokens),
-which within one chunk is causal attention, and past it a mask no attention path here computes. What the
+position's rotation at once — which neither a paged cache nor a prefix cache can follow. What the
 module cannot compute (partial rotary embeddings outside Phi-3, GLM and StableLM, an activation other
 than its family's, dynamic NTK RoPE, an attention soft-cap outside Gemma 2, a quantized checkpoint
 other than FP8 weights, GPTQ's, AWQ's and compressed-tensors' int4 and int8 weights, and gpt-oss's MXFP4
@@ -213,9 +212,9 @@ class ModelConfig:
     # Llama 4's temperature tuning (attn_scale, floor_scale): its unrotated layers' queries x 1 + attn_scale
     # ln(1 + floor((position + 1) / floor_scale)); the rotated layers' as they are
     attn_temperature: tuple[float, float] | None = None
-    # Llama 4's attention_chunk_size where a layer attends by chunks (a token sees only its own chunk's):
-    # served up to one chunk (`context_cap`), where that is causal attention
-    attention_chunk: int | None = None
+    # Llama 4: each layer's attention chunk where it attends by chunks (a token at p sees keys
+    # [p - p % chunk, p] only), None where it attends the whole sequence; None for other models
+    layer_chunks: tuple[int | None, ...] | None = None
     # gpt-oss: a learned sink logit per attention head; its experts' SwiGLU (alpha, limit): gate
     # clamped above at limit, up to [-limit, limit], out = (up + 1) * gate * sigmoid(alpha * gate)
     attn_sinks: bool = False
@@ -248,13 +247,12 @@ class ModelConfig:
 
     def context_cap(self) -> tuple[int, str] | None:
         """(tokens, why) of the lowest limit below the model's context that kvgate serves it within, if any."""
-        scaling, caps = self.rope_scaling or {}, []
-        if scaling.get("rope_type") == "longrope":  # past it: the long factors, for every position
-            caps.append((scaling.get("original_max_position_embeddings", self.max_position_embeddings),
-                         "LongRoPE original context"))
-        if self.attention_chunk is not None:  # past it: a mask by chunks, not causal
-            caps.append((self.attention_chunk, "attention chunk size"))
-        return min((cap for cap in caps if cap[0] < self.max_position_embeddings), default=None)
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type") != "longrope":
+            return None
+        cap = scaling.get("original_max_position_embeddings", self.max_position_embeddings)
+        # past it: the long factors, for every position
+        return (cap, "LongRoPE original context") if cap < self.max_position_embeddings else None
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
@@ -600,7 +598,7 @@ def _llama4(raw: dict, cfg: ModelConfig) -> ModelConfig:
     return replace(
         cfg, intermediate_size=raw.get("intermediate_size_mlp", 16384), moe=_llama4_moe(raw, layers),
         qk_norm="weightless" if raw.get("use_qk_norm", True) else None, qk_norm_after_rope=True,
-        rope_layers=rope_layers, attention_chunk=chunk if "chunked_attention" in kinds else None,
+        rope_layers=rope_layers, layer_chunks=tuple(chunk if kind == "chunked_attention" else None for kind in kinds),
         # the Hub's Scout folders say attn_temperature_tuning 4: on, as transformers 4 read it
         attn_temperature=(float(raw.get("attn_scale", 0.1)), float(raw.get("floor_scale", 8192)))
         if raw.get("attn_temperature_tuning", True) else None)

@@ -194,6 +194,7 @@ class Attention(nn.Module):
         self.q_scaled = cfg.attn_temperature is None or not rope  # Llama 4's temperature: its NoPE layers only
         self.scale = cfg.multipliers["attention_multiplier"] if cfg.multipliers else cfg.head_dim ** -0.5
         self.softcap: float | None = None  # Gemma 2's attention soft-cap (gemma.py sets it)
+        self.chunk: int | None = None  # Llama 4's chunked layers' attention chunk (DecoderLayer sets it)
         self.sinks = nn.Parameter(torch.empty(self.num_heads)) if cfg.attn_sinks else None  # gpt-oss's, per head
         self.q_first, self.backend = q_first, backend
 
@@ -262,7 +263,8 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks)
+        out = self.backend.attend(q, k_cache, v_cache, meta, self.scale, self.window, self.softcap, self.sinks,
+                                  self.chunk)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def pieces(self, prefix: str, param: str) -> list[Piece]:
@@ -335,6 +337,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = self.attention_class(cfg, backend, shard, cfg.layer_windows[index],
                                               cfg.rope_layers is None or cfg.rope_layers[index])
+        if cfg.layer_chunks is not None:
+            self.self_attn.chunk = cfg.layer_chunks[index]
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[index]
         self.mlp = sparse_moe(cfg, shard, MLP) if sparse else MLP(cfg, shard)

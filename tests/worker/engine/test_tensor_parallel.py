@@ -82,10 +82,11 @@ MODELS = {  # name: (arch, overrides)
     # up's rows and down's columns split, xIELU's two scalars (drawn) whole on each rank
     "apertus-xielu": ("apertus", dict(num_kv_heads=2, config_extra=dict(attention_bias=True))),
     # each rank its columns of gate's and up's out of [experts, hidden, 2 x width], its rows of down's, the
-    # shared expert split, the router whole; a dense rotated layer (weightless q/k norms), then a sparse NoPE one
+    # shared expert split, the router whole; a dense rotated layer (weightless q/k norms) attending by chunks of 8
+    # (the prompts cross several), then a sparse NoPE one
     "llama4-fused-experts-nope": ("llama4", dict(num_kv_heads=2, head_dim=16, intermediate_size=32, config_extra=dict(
         intermediate_size_mlp=128, num_local_experts=4, interleave_moe_layer_step=2, no_rope_layers=[1, 0],
-        attention_chunk_size=64, floor_scale=4, attn_scale=0.3))),
+        attention_chunk_size=8, floor_scale=4, attn_scale=0.3))),
 }
 # norms drawn around 1, biases around 0 (transformers builds 1 and 0)
 DRAWN = {"phimoe-sparsemixer-head-bias", "deepseek-v3-latent-attention-grouped-router", "deepseek-v2-q-proj-wide-v",
