@@ -66,7 +66,7 @@ class ModelFacts:
         """Reject what could never run or could crash the engine, naming the number and its limit.
         `prompt_ids`: one prompt, or a batched completion's prompts (`prompts_of`)."""
         prompts = prompts_of(prompt_ids)
-        if len(prompts) * params.n > MAX_N:
+        if len(prompts) > 1 and len(prompts) * params.n > MAX_N:  # (n alone: _check_numbers says it)
             raise EngineRejected(f"{len(prompts)} prompts x n ({params.n}) = {len(prompts) * params.n} choices; "
                                  f"at most {MAX_N} a request (each is a sequence with its own KV)",
                                  "invalid_request", "prompt")
