@@ -426,6 +426,9 @@ def _total_s(settings, lease: Lease) -> float:
     return lease.timeouts.total_s if lease.timeouts else settings.request_timeout_s
 
 
+ONE_PROMPT = 1 << 30  # _Echo.per of a request with one prompt: choice i // it is 0 for every choice
+
+
 @dataclass
 class _Echo:
     """What a completion gives back of its prompt: the text (echo), its tokens' logprobs before the
@@ -437,7 +440,7 @@ class _Echo:
     with_logprobs: bool = False
     vllm_field: bool = False
     text_from_worker: bool = False  # prompts of token ids: their text comes on the verdict (`heard`)
-    per: int = 1  # choices a prompt (n)
+    per: int = ONE_PROMPT  # choices a prompt: a batch's n; one prompt's every choice
     scores: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # prompt -> its scores
     echoed: set[int] = dataclasses.field(default_factory=set)  # choices whose prompt text went out
 
@@ -446,9 +449,10 @@ class _Echo:
         body = call.body
         if call.kind != "completion":
             return cls()
-        tokens = call.echoes_tokens()
-        texts = None if not body.echo or tokens else [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        return cls(texts, body.echo and body.logprobs is not None, body.prompt_logprobs is not None, tokens, body.n)
+        tokens, batch = call.echoes_tokens(), body.num_prompts() > 1
+        texts = None if not body.echo or tokens else body.prompt if batch else [body.prompt]
+        return cls(texts, body.echo and body.logprobs is not None, body.prompt_logprobs is not None, tokens,
+                   body.n if batch else ONE_PROMPT)
 
     def spec(self) -> dict | None:
         """What a resumed stream needs of it (gateway/resume.py); None: nothing to echo. (A resumed
@@ -457,7 +461,7 @@ class _Echo:
         if self.texts is None and not (self.with_logprobs or self.vllm_field or self.text_from_worker):
             return None
         spec = {"with_logprobs": self.with_logprobs, "vllm_field": self.vllm_field}
-        if self.text_from_worker or self.per != 1 or (self.texts is not None and len(self.texts) != 1):
+        if self.text_from_worker or self.per != ONE_PROMPT:
             return spec | {"texts": self.texts, "text_from_worker": self.text_from_worker, "per": self.per}
         return spec | {"text": self.texts[0] if self.texts else None}
 
