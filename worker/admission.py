@@ -98,8 +98,10 @@ class Admission:
                 tokenizer_kinds.answer, self.tokenizer, entry, ckpt.last_seq + 1, self.engine.max_model_len)
         else:
             self.faults.delay()
-            then, work = self._add, partial(self._prompt_ids, entry)
-        if not short(p) and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None):
+            then, work = self._add, partial(self._prompt, entry, ckpt.empty)
+        # made off the loop when long: what is tokenized, and token ids an echo decodes back to text
+        if not short(p) and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None
+                             or entry.echo_prompt):
             return Waiting(p, entry, ckpt, work, then)
         then(p, entry, ckpt, work)
         return None
@@ -177,9 +179,9 @@ class Admission:
         return None
 
     def _add(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
-             prompt: Callable[[], list[int]]) -> None:
-        """Start it in the engine (`prompt()`: its prompt ids); an input the engine refuses, or a
-        bug its content reached, ends this request alone."""
+             prompt: Callable[[], tuple[list, list[str] | None]]) -> None:
+        """Start it in the engine (`prompt()`: its prompt ids and echoed texts, `_prompt`); an input
+        the engine refuses, or a bug its content reached, ends this request alone."""
         rid = entry.request_id
         try:
             self._start(p, entry, ckpt, prompt)
@@ -198,9 +200,9 @@ class Admission:
                        f"the worker failed to start this request ({type(exc).__name__})")
 
     def _start(self, p: PendingEntry, entry: protocol.RequestEntry, ckpt: checkpoint.Checkpoint,
-               prompt: Callable[[], list[int]]) -> None:
+               prompt: Callable[[], tuple[list, list[str] | None]]) -> None:
         rid = entry.request_id
-        prompt_ids = prompt()
+        prompt_ids, texts = prompt()
         prompts = prompts_of(prompt_ids)  # a batched completion's several
         self.faults.crash_if_marked(entry.prompt, entry.messages)
         longest = max(map(len, prompts))
@@ -221,7 +223,7 @@ class Admission:
             stream=p.stream, version=entry.v, deadline=entry.deadline,
             splits=self._splits(entry, prompt_ids, ckpt), streamed=entry.streamed,
             sent_token=any(ckpt.tokens.values()),
-            prompt_texts=self._prompt_texts(entry, prompts) if ckpt.empty else None))
+            prompt_texts=texts))
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
@@ -247,6 +249,12 @@ class Admission:
         self.outbox.reply(entry.reply_channel, protocol.Done(request_id=rid, seq=delta.seq + 1,
                                                              prompt_tokens=counted, completion_tokens=0), entry.v)
         self.outbox.finish(p.entry_id, rid, p.stream)
+
+    def _prompt(self, entry: protocol.RequestEntry, first: bool) -> tuple[list, list[str] | None]:
+        """The prompt's ids (a batch's: one list a prompt), and on its `first` delivery the texts its
+        verdict echoes (`_prompt_texts`)."""
+        ids = self._prompt_ids(entry)
+        return ids, self._prompt_texts(entry, prompts_of(ids)) if first else None
 
     def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
         from worker.engine.tokenizer import encode_prompt, render_chat

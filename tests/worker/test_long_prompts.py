@@ -147,3 +147,19 @@ def test_a_cancel_heard_while_its_prompt_is_made_is_honoured(cluster):
             assert b'"left"' not in message["data"], message["data"][:200]
     assert cluster.client.xlen(stream) == 0, "the cancelled entry was not acknowledged"
     assert "left" not in ch.got
+
+
+def test_a_long_echoed_prompt_of_ids_is_decoded_in_the_thread_as_the_loop_would(cluster, tiny_model_dir):
+    """Token ids to echo are decoded back to text off the loop when the entry is long (a context's
+    worth of ids takes the tokenizer tens of milliseconds): its verdict carries the tokenizer's text."""
+    from worker.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    ids = [260 + (i * 7919) % 1700 for i in range(1900)]  # within the context (2,048), past INLINE_BYTES
+    ch = Channel(cluster, "long-echo")
+    echoed = entry("echo-long", ch.name, prompt_token_ids=ids, echo_prompt=True)
+    assert len(protocol.encode(echoed)) > INLINE_BYTES
+    xadd(cluster, protocol.encode(echoed))
+    replies = ch.raw_replies("echo-long")
+    assert replies[-1]["type"] == "done", replies[-1]
+    assert replies[0]["prompt_texts"] == [tokenizer.decode(ids, skip_special_tokens=False)]
