@@ -106,6 +106,8 @@ def demo_model(directory: str) -> None:
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
 @click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1", "harmony"]), default=None,
               help="How the model marks its thinking [default: from the chat template]")
+@click.option("--task", type=click.Choice(["auto", "generate", "embed"]), default=None,
+              help="auto: embeddings for an embedding model folder, else generation [default: auto]")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
               help="How the model writes tool calls [default: from the chat template]")
 @click.option("--structured-compile-timeout-s", type=float, default=None,

@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, TypeAdapter, create_model
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -71,14 +71,15 @@ class RequestEntry(BaseModel):
     reply_channel: str
     model: str
     version: str
-    kind: Literal["chat", "completion", "tokenize", "detokenize", "tokenizer_info"]
+    kind: Literal["chat", "completion", "tokenize", "detokenize", "tokenizer_info", "embed"]
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None  # a message may carry tool_calls / tool_call_id
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, given to the chat template
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": true}
     prompt_token_ids: list[int] | None = None  # a detokenize entry's tokens
     # v8: a batched completion's prompts (texts, or token ids), each with its n choices: prompt p's are
-    # p*n .. p*n+n-1 (OpenAI's order); `prompt` and `prompt_token_ids` then unset
+    # p*n .. p*n+n-1 (OpenAI's order); `prompt` and `prompt_token_ids` then unset. v9: an embed
+    # entry's inputs (each one embedding, input i's at index i)
     prompts: list[str] | list[list[int]] | None = None
     render: RenderOptions | None = None  # v5: a tokenize entry's options
     params: WireParams = Field(default_factory=WireParams)
@@ -98,6 +99,9 @@ class RequestEntry(BaseModel):
     # v8: the prompts' text comes back on the admission verdict (`Delta.prompt_texts`): a completion that
     # echoes prompts sent as token ids, which only the worker's tokenizer can write as text
     echo_prompt: bool = False
+    # v9: an embed entry's vector length (Matryoshka models: the first `dimensions` of the pooled
+    # state, then normalized); None: the model's whole hidden size
+    dimensions: int | None = None
 
     def sampling_params(self, model_defaults: dict | None = None, **when_absent) -> SamplingParams:
         """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
@@ -126,6 +130,9 @@ class Delta(BaseModel):
     prompt_logprobs: list[dict[str, Any]] | None = None
     token_strs: list[str] | None = None  # v5: a tokenize answer's tokens as its tokenizer spells them
     prompt_texts: list[str] | None = None  # v8: one a prompt, on the admission verdict of an entry with echo_prompt
+    # v9: an embed entry's vector for input `index`: base64 of little-endian float32 (OpenAI's base64
+    # encoding_format, so a gateway passes it through), on that input's one delta (finish_reason "stop")
+    embedding: str | None = None
     finish_reason: str | None = None
 
 
@@ -171,12 +178,13 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     6: {"request": frozenset({"streamed"})},
     7: {"request": frozenset({"from_model"})},
     8: {"request": frozenset({"prompts", "echo_prompt"}), "delta": frozenset({"prompt_texts"})},
+    9: {"request": frozenset({"dimensions"}), "delta": frozenset({"embedding"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
 NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
                          "prompt_logprobs": 4, "tokenize": 5, "echo": 8, "batched prompts": 8,
-                         "tokenizer_info": 8}
+                         "tokenizer_info": 8, "embeddings": 9}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
@@ -186,7 +194,7 @@ def missing_features(entry: RequestEntry, version: int) -> list[str]:
             "prompt_logprobs": entry.params.prompt_logprobs is not None,
             "tokenize": entry.kind in TOKENIZER_KINDS,  # an older worker cannot read the kind
             "echo": entry.echo_prompt, "batched prompts": entry.prompts is not None,
-            "tokenizer_info": entry.kind == "tokenizer_info"}
+            "tokenizer_info": entry.kind == "tokenizer_info", "embeddings": entry.kind == "embed"}
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

@@ -251,6 +251,11 @@ class WorkerSettings(CommonSettings):
                                          "thinking goes to reasoning_content")
     tool_call_parser: str | None = Field(None, description="How the model writes tool calls (hermes, "
                                          "llama3; default: from the chat template)")
+    task: Literal["auto", "generate", "embed"] = Field(
+        "auto", description="What the worker serves: auto (embeddings for an embedding model folder — "
+        "sentence-transformers pooling files, or a bare base model such as MistralModel — else "
+        "generation), generate, or embed (a causal LM's last-token state, normalized, as vLLM's "
+        "embed task)")
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out gets the model folder's generation_config.json value, where it sets "

@@ -205,29 +205,49 @@ class Admission:
         prompt_ids, texts = prompt()
         prompts = prompts_of(prompt_ids)  # a batched completion's several
         self.faults.crash_if_marked(entry.prompt, entry.messages)
-        longest = max(map(len, prompts))
-        room = self.engine.max_model_len - longest  # without max_tokens: what the longest prompt leaves
-        if room < 1 and entry.params.max_tokens is None:  # the engine's words would name a max_tokens of 1
-            raise EngineRejected(f"the prompt ({longest} tokens) leaves no room for a reply within "
-                                 f"max_model_len of {self.engine.max_model_len} tokens (at least 1 token is "
-                                 "generated; the request set no max_tokens)")
+        if entry.kind == "embed":
+            self._embed(entry, prompts, ckpt, p.claim.tenant or None)
+        else:
+            self._generate(entry, prompt_ids, prompts, ckpt, p.claim.tenant or None)
         prompt_tokens = sum(map(len, prompts))
-        params = to_sampling_params(entry, room, self.model_defaults)
-        resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
-        self.engine.add_request(rid, prompt_ids, params, resume, tenant=p.claim.tenant or None)
         self.outbox.logs.start(rid, ckpt.size)
         self.metrics.admitted(entry, prompt_tokens, resumed=p.times_delivered > 0)
+        embeds = entry.kind == "embed"  # one vector an input, each sent as made
         act = self.inflight.add(rid, Active(
-            p.entry_id, entry.reply_channel, entry.params.n * len(prompts), prompt_tokens, seq=ckpt.last_seq,
+            p.entry_id, entry.reply_channel, len(prompts) * (1 if embeds else entry.params.n), prompt_tokens,
+            seq=ckpt.last_seq,
             finished=set(ckpt.finished), completion_tokens={i: len(t) for i, t in ckpt.tokens.items()},
             stream=p.stream, version=entry.v, deadline=entry.deadline,
-            splits=self._splits(entry, prompt_ids, ckpt), streamed=entry.streamed,
+            splits=self._splits(entry, prompt_ids, ckpt), streamed=entry.streamed or embeds,
             sent_token=any(ckpt.tokens.values()),
             prompt_texts=texts))
         if p.times_delivered:
             log.info("resumed %s after seq %d", rid, ckpt.last_seq, extra={"request_id": rid})
         if ckpt.empty:  # the admission verdict (last: nothing may fail after it), once per request
             self.inflight.verdict(rid, act)
+
+    def _generate(self, entry: protocol.RequestEntry, prompt_ids: list, prompts: list[list[int]],
+                  ckpt: checkpoint.Checkpoint, tenant: str | None) -> None:
+        longest = max(map(len, prompts))
+        room = self.engine.max_model_len - longest  # without max_tokens: what the longest prompt leaves
+        if room < 1 and entry.params.max_tokens is None:  # the engine's words would name a max_tokens of 1
+            raise EngineRejected(f"the prompt ({longest} tokens) leaves no room for a reply within "
+                                 f"max_model_len of {self.engine.max_model_len} tokens (at least 1 token is "
+                                 "generated; the request set no max_tokens)")
+        params = to_sampling_params(entry, room, self.model_defaults)
+        resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
+        self.engine.add_request(entry.request_id, prompt_ids, params, resume, tenant=tenant)
+
+    def _embed(self, entry: protocol.RequestEntry, prompts: list[list[int]], ckpt: checkpoint.Checkpoint,
+               tenant: str | None) -> None:
+        """An embeddings request: each input pooled by the paged engine of an embedding folder; a
+        takeover skips the inputs whose vectors went out."""
+        add = getattr(self.engine, "add_embedding", None)
+        if add is None:
+            raise EngineRejected(f"embeddings need the paged engine; this worker runs {type(self.engine).__name__}",
+                                 "invalid_request", "model")
+        params = SamplingParams(max_tokens=1, priority=entry.priority, cache_salt=entry.cache_salt)  # nothing sampled
+        add(entry.request_id, prompts, params, entry.dimensions, set(ckpt.finished), tenant=tenant)
 
     def _answer_from_tokenizer(self, p: PendingEntry, entry: protocol.RequestEntry,
                                ckpt: checkpoint.Checkpoint, answer: Callable) -> None:

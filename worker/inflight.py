@@ -5,6 +5,7 @@ closed. One output that raises ends its own request, never the loop.
 """
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import time
@@ -109,7 +110,8 @@ class InFlight:
             self._send(act, protocol.Delta(
                 request_id=out.request_id, seq=0, index=out.index, text=text, reasoning=reasoning or None,
                 token_ids=out.new_token_ids, logprobs=self._wire_logprobs(out),
-                prompt_logprobs=self._wire_prompt_logprobs(out), finish_reason=finish))
+                prompt_logprobs=self._wire_prompt_logprobs(out), finish_reason=finish,
+                embedding=None if out.embedding is None else base64.b64encode(out.embedding).decode()))
         else:
             self._held(out.request_id, act).choice(out.index).add(
                 text, reasoning, out.new_token_ids, self._wire_logprobs(out), self._wire_prompt_logprobs(out),

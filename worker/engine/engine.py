@@ -9,12 +9,16 @@ the engine goes on.
 A request with structured_outputs first waits for its grammar (compiling.py) outside the scheduler;
 each of its choices then gets a matcher (constraint.py) whose bitmask the sampler applies and which
 accepts every token the choice emits; a grammar that ends finishes the choice with "stop".
+An embedding folder's engine embeds instead of generating (`add_embedding`, pooling.py): each input a
+prefill-only sequence whose output is its vector.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Collection
 from pathlib import Path
 
+from worker.engine import pooling
 from worker.engine.base import ModelFacts, log, prompts_of, request_error, step_error
 from worker.engine.block_pool import BlockPool
 from worker.engine.compiling import CompilingRequests
@@ -23,12 +27,13 @@ from worker.engine.constraint import Constraint, think_markers
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.model_runner import ModelRunner
 from worker.engine.scheduler import Scheduler
-from worker.engine.sequence import Sequence
+from worker.engine.sequence import Sequence, SequenceStatus
 from worker.engine.stopping import check_finish, release_text
 from worker.engine.structured import Grammars
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
-from worker.engine.types import RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
+from worker.engine.types import EngineRejected, RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.config import read_model_config
+from worker.models.pooling import read_pooling
 
 
 IDLE_COMPILE_WAIT_S = 0.05  # an empty step waits this long for a grammar instead of spinning
@@ -41,6 +46,7 @@ class LLMEngine(ModelFacts):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = read_model_config(config.model_dir)
+        self.pooling = read_pooling(config.model_dir, config.task)  # None: the folder generates
         tokenizer = load_tokenizer(config.model_dir)
         eos_ids = eos_token_ids(config.model_dir, tokenizer)
         self.runner = ModelRunner(config, self.model_config, eos_ids)
@@ -55,6 +61,13 @@ class LLMEngine(ModelFacts):
                                  int(config.structured_cache_mb * 2**20), config.structured_compile_timeout_s)
         self.compiling = CompilingRequests(config.structured_compile_timeout_s)
         self.think_markers = think_markers(config.reasoning_parser, tokenizer)
+        self.embedding_queue: dict[str, deque[Sequence]] = {}  # a request's inputs not yet scheduled
+        self.embedding_open: dict[str, int] = {}  # its inputs in the scheduler, unfinished
+
+    @property
+    def embeds(self) -> bool:
+        """This engine embeds (an embedding folder, or task "embed") and does not generate."""
+        return self.pooling is not None
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **overrides) -> LLMEngine:
@@ -69,6 +82,9 @@ class LLMEngine(ModelFacts):
         # Nothing is reserved: blocks are allocated as the sequence grows, preemption handles
         # pressure, and start-up sized max_model_len to what the pool holds, so whatever passes
         # the context check (a request without max_tokens: the rest of the context) can run.
+        if self.embeds:
+            raise EngineRejected("this model is an embedding model: it serves /v1/embeddings, not generation",
+                                 "invalid_request", "model")
         self.check_request(prompt_ids, params, resume)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -94,9 +110,50 @@ class LLMEngine(ModelFacts):
         if seqs:  # a resumed request whose choices all finished has nothing left here
             self.requests[request_id] = seqs
 
+    def add_embedding(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                      dimensions: int | None = None, finished: Collection[int] = (), tenant: str | None = None) -> None:
+        """Embed each prompt (input i's vector is output index i; `dimensions`: a Matryoshka model's
+        cut); `finished`: the inputs a worker that stopped already answered. All or nothing, as
+        add_request; the inputs enter the scheduler AT_ONCE at a time (`_feed`)."""
+        if not self.embeds:
+            raise EngineRejected("this model generates text; it does not serve embeddings (an embedding model "
+                                 "folder, or a worker started with --task embed, does)", "invalid_request", "model")
+        length = pooling.check(self.pooling, self.model_config.hidden_size, len(prompts), dimensions)
+        for index, prompt in enumerate(prompts):
+            what = "input token id" if len(prompts) == 1 else f"input {index}'s token id"
+            self._check_ids(what, prompt, "input")
+            if not 1 <= len(prompt) <= self.max_model_len:
+                raise EngineRejected(f"input {index} has {len(prompt)} tokens; this model's maximum context "
+                                     f"length is {self.max_model_len} tokens (and an input has at least 1)",
+                                     param="input")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        embed = pooling.Embed(self.pooling.mode, length, self.pooling.normalize)
+        seqs = [Sequence(request_id, i, prompt, params) for i, prompt in enumerate(prompts) if i not in finished]
+        for seq in seqs:
+            seq.embed, seq.status = embed, SequenceStatus.QUEUED
+        if seqs:
+            self.requests[request_id] = seqs
+            self.embedding_queue[request_id] = deque(seqs)
+            self.embedding_open[request_id] = 0
+
+    def _feed(self) -> None:
+        """Each embedding request's next inputs into the scheduler, up to AT_ONCE of its own there."""
+        for request_id, queue in list(self.embedding_queue.items()):
+            while queue and self.embedding_open[request_id] < pooling.AT_ONCE:
+                self.scheduler.add(queue.popleft())
+                self.embedding_open[request_id] += 1
+            if not queue:
+                del self.embedding_queue[request_id]
+
+    def _forget_embedding(self, request_id: str) -> None:
+        self.embedding_queue.pop(request_id, None)
+        self.embedding_open.pop(request_id, None)
+
     def abort(self, request_id: str) -> None:
         """Blocks are freed now; each unfinished choice reports finish_reason "abort" next step."""
         self.compiling.remove(request_id)
+        self._forget_embedding(request_id)
         for seq in self.requests.pop(request_id, []):
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -107,7 +164,8 @@ class LLMEngine(ModelFacts):
         self.runner.close()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted) or bool(self.compiling)
+        return (self.scheduler.has_unfinished() or bool(self._aborted) or bool(self.compiling)
+                or bool(self.embedding_queue))
 
     def free_capacity(self) -> int:
         """Sequence slots left, bounded by free blocks not already owed to waiting prompts; a
@@ -130,7 +188,8 @@ class LLMEngine(ModelFacts):
     def stats(self) -> dict:
         return {
             "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting) + self.compiling.num_seqs,
+            "num_waiting": len(self.scheduler.waiting) + self.compiling.num_seqs
+            + sum(map(len, self.embedding_queue.values())),
             "kv_usage": self.pool.usage, "prefix_cache_queries": self.pool.num_queries,
             "prefix_cache_hits": self.pool.num_hits, "num_preemptions": self.scheduler.num_preemptions,
             "num_fair_preemptions": self.scheduler.num_fair_preemptions,
@@ -140,6 +199,7 @@ class LLMEngine(ModelFacts):
     def step(self) -> list[RequestOutput]:
         outputs, self._aborted = self._aborted, []
         outputs += self._start_compiled()
+        self._feed()
         batch = self.scheduler.schedule()
         if not batch:
             self.compiling.wait(IDLE_COMPILE_WAIT_S)
@@ -150,6 +210,7 @@ class LLMEngine(ModelFacts):
             return outputs + self._fail_step(batch, exc)
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
+        outputs += self._embedded(batch)
         for seq, token, logprob in sampled:
             if seq.is_finished:  # its request failed earlier in this loop
                 continue
@@ -159,6 +220,27 @@ class LLMEngine(ModelFacts):
                 outputs.append(self._on_token(seq, token, logprob))
             except Exception as exc:
                 outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
+        return outputs
+
+    def _embedded(self, batch) -> list[RequestOutput]:
+        """The embedding inputs whose prefill this step ended: finished, each with its vector."""
+        outputs = []
+        for seq, _ in batch:
+            if seq.embed is None or seq.is_finished or seq.num_computed_tokens < seq.num_tokens:
+                continue
+            try:
+                vector = pooling.vector(seq)
+            except Exception as exc:
+                outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
+                continue
+            self.scheduler.finish(seq, "stop")
+            self.embedding_open[seq.request_id] -= 1
+            if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
+                self.requests.pop(seq.request_id, None)
+                self._forget_embedding(seq.request_id)
+            out = self._output(seq, [], "", None)
+            out.embedding = vector
+            outputs.append(out)
         return outputs
 
     def _start_compiled(self) -> list[RequestOutput]:
@@ -200,6 +282,7 @@ class LLMEngine(ModelFacts):
 
     def _fail_request(self, seq: Sequence, error: RequestError) -> RequestOutput:
         """End all of `seq`'s request (every choice) with one error output; its blocks are free."""
+        self._forget_embedding(seq.request_id)
         for other in self.requests.pop(seq.request_id, [seq]):
             if not other.is_finished:
                 self.scheduler.finish(other, "error")

@@ -1,6 +1,8 @@
-"""Offline batch API: `LLM(model_dir).generate(prompts, params)` runs everything to completion."""
+"""Offline batch API: `LLM(model_dir).generate(prompts, params)` runs everything to completion;
+`LLM(embedding_model_dir).embed(inputs)` gives each input's vector (vLLM's `LLM.embed`)."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,3 +82,16 @@ class LLM:
         for (request_id, index), pieces in texts.items():
             results[request_id].outputs[index].text = "".join(pieces)
         return [results[str(i)] for i in range(len(prompts))]
+
+    def embed(self, inputs: list[str] | list[list[int]], dimensions: int | None = None) -> list[list[float]]:
+        """Each input's vector, in order, as one request (worker/engine/pooling.py); raises what the
+        request failed with."""
+        ids = [encode_prompt(self.engine.tokenizer, x) if isinstance(x, str) else list(x) for x in inputs]
+        self.engine.add_embedding("embed", ids, SamplingParams(max_tokens=1), dimensions)
+        vectors: dict[int, list[float]] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.error is not None:
+                    raise RuntimeError(f"{out.error.code}: {out.error.message}")
+                vectors[out.index] = array("f", out.embedding).tolist()
+        return [vectors[i] for i in range(len(inputs))]

@@ -18,7 +18,8 @@ from worker.engine.attention import AttentionMetadata
 from worker.engine.config import EngineConfig
 from worker.engine.cuda_graphs import DecodeGraphs
 from worker.engine.dtype import choose_dtype
-from worker.engine import prompt_logprobs
+from worker.engine import pooling, prompt_logprobs
+from worker.engine.pooling import PoolPlan
 from worker.engine.prompt_logprobs import PromptScoring
 from worker.engine.kv_budget import GROW, KVCacheFacts, KVCacheTooSmall, cdiv, cpu_budget, fit_max_model_len
 from worker.engine.sampler import Sampler, SampleRow
@@ -61,12 +62,13 @@ class BatchInputs:
     sample_rows: list[int]  # batch rows whose chunk reaches the end of their tokens
     sample_tokens: torch.Tensor  # [len(sample_rows)] where those rows' last tokens sit in the batch
     scoring: PromptScoring | None = None  # prompt positions whose logprobs were asked for
+    pooling: PoolPlan | None = None  # embedding inputs' positions whose states are pooled
 
     def to(self, device: torch.device) -> BatchInputs:
         to = dict(device=device, non_blocking=True)
         return BatchInputs(self.input_ids.to(**to), self.positions.to(**to), self.meta.to(device),
                            self.sample_rows, self.sample_tokens.to(**to),
-                           self.scoring and self.scoring.to(device))
+                           self.scoring and self.scoring.to(device), self.pooling and self.pooling.to(device))
 
 
 def make_backend(name: str, device: torch.device, head_dim: int, dtype: torch.dtype):
@@ -260,11 +262,14 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int | Exception, TokenLogprob | None]]:
         """Forward the batch; sample one token for each sequence whose chunk reached its end (or
-        the exception sampling raised for that sequence alone)."""
+        the exception sampling raised for that sequence alone); an embedding input's pooled state
+        grows instead (Sequence.pooled)."""
         plan = self._prepare(batch)
-        logits, scores = self.forward(plan) if self.ranks is None else self._forward_on_all_ranks(plan)
+        logits, scores, pooled = self.forward(plan) if self.ranks is None else self._forward_on_all_ranks(plan)
         if scores is not None:
             prompt_logprobs.collect(batch, plan.scoring, scores)
+        if pooled is not None:
+            pooling.collect(batch, plan.pooling, pooled)
         if logits is None:
             return []  # only partial prefill chunks: nothing to sample yet
         seqs = [batch[r][0] for r in plan.sample_rows]
@@ -272,7 +277,7 @@ class ModelRunner:
         tokens, logprobs = self.sampler.sample(logits, rows)
         return list(zip(seqs, tokens, logprobs))
 
-    def _forward_on_all_ranks(self, plan: BatchInputs) -> tuple[torch.Tensor | None, tuple | None]:
+    def _forward_on_all_ranks(self, plan: BatchInputs) -> tuple[torch.Tensor | None, tuple | None, list | None]:
         """A failure here leaves the ranks out of step (one may wait in a collective the others
         never reach): the group cannot go on, and the worker stops rather than hang."""
         try:
@@ -282,20 +287,23 @@ class ModelRunner:
             self.ranks.abort(f"a tensor-parallel step failed on rank 0 ({type(exc).__name__}: {exc})")
 
     @torch.inference_mode()
-    def forward(self, plan: BatchInputs) -> tuple[torch.Tensor | None, tuple | None]:
+    def forward(self, plan: BatchInputs) -> tuple[torch.Tensor | None, tuple | None, list | None]:
         """Every rank: the model over the plan; the logits of its sample rows (rank 0's whole), or
-        None when no row samples; and the prompt scores the plan asked for (prompt_logprobs.py)."""
+        None when no row samples; the prompt scores the plan asked for (prompt_logprobs.py); and
+        rank 0's pooled states of embedding inputs (pooling.py: every rank holds the whole hidden
+        states, so the others skip it)."""
         inputs = plan.to(self.device)
         if self._takes_decode_graph(inputs):
-            return self._graph_logits(inputs), None
+            return self._graph_logits(inputs), None, None
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
         scores = None
         if inputs.scoring is not None:
             scores = prompt_logprobs.score(self.model.compute_logits, hidden, inputs.scoring,
                                            reduce=self.shard.rank == 0)
+        pooled = pooling.pool(hidden, inputs.pooling) if inputs.pooling and self.shard.rank == 0 else None
         if not inputs.sample_rows:
-            return None, scores
-        return self.model.compute_logits(hidden[inputs.sample_tokens]), scores
+            return None, scores, pooled
+        return self.model.compute_logits(hidden[inputs.sample_tokens]), scores, pooled
 
     def serve(self) -> None:
         """Ranks 1..N-1: run each plan rank 0 sends, until it sends None."""
@@ -333,7 +341,7 @@ class ModelRunner:
                               dtype=torch.int32)
         slots = [seq.block_table[s // bs] * bs + s % bs for (seq, _), s in zip(batch, starts)]
         query_start = torch.arange(len(batch) + 1, dtype=torch.int32)
-        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens]
+        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens and seq.embed is None]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots), query_start_loc=query_start,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
@@ -343,7 +351,8 @@ class ModelRunner:
         input_ids = [seq.tokens(s, s + 1)[0] for (seq, _), s in zip(batch, starts)]
         return BatchInputs(torch.tensor(input_ids), torch.tensor(starts), meta, sample_rows,
                            torch.tensor(sample_rows, dtype=torch.long),
-                           prompt_logprobs.plan_scoring(batch, starts, query_start))
+                           prompt_logprobs.plan_scoring(batch, starts, query_start),
+                           pooling.plan_pooling(batch, starts, query_start))
 
     def _prepare_any(self, batch: ScheduledBatch) -> BatchInputs:
         bs = self.block_size
@@ -361,7 +370,7 @@ class ModelRunner:
         offsets = torch.tensor(starts) - query_start[:-1]
         positions = torch.arange(len(input_ids)) + offsets[row]
         slots = tables[row, positions // bs].long() * bs + positions % bs
-        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens]
+        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens and seq.embed is None]
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=query_start,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
@@ -370,7 +379,8 @@ class ModelRunner:
         )
         sample_tokens = query_start[1:][sample_rows] - 1
         return BatchInputs(torch.tensor(input_ids), positions, meta, sample_rows, sample_tokens.long(),
-                           prompt_logprobs.plan_scoring(batch, starts, query_start))
+                           prompt_logprobs.plan_scoring(batch, starts, query_start),
+                           pooling.plan_pooling(batch, starts, query_start))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

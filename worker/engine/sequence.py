@@ -9,6 +9,7 @@ from worker.engine.types import SamplingParams
 
 class SequenceStatus(Enum):
     COMPILING = "compiling"  # waits for its grammar, outside the scheduler (compiling.py)
+    QUEUED = "queued"  # an embedding input waiting for its request's turn, outside the scheduler (pooling.py)
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -37,6 +38,8 @@ class Sequence:
         # request with prompt_logprobs, until its first token reports them); None: nothing (more) to score
         first = index % params.n == 0
         self.prompt_scores: dict | None = {} if first and params.prompt_logprobs is not None else None
+        self.embed = None  # an embedding input's pooling.Embed: it pools its prompt instead of sampling
+        self.pooled = None  # its pooled state so far (a float32 tensor on the CPU)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -64,7 +67,10 @@ class Sequence:
 
     def cacheable_tokens(self) -> int:
         """How many leading tokens may come from the prefix cache: a scored prompt needs the logits of
-        every position from prompt_logprobs_start - 1 on, so those are computed, not read."""
+        every position from prompt_logprobs_start - 1 on, so those are computed, not read; a mean of
+        the states needs them all."""
+        if self.embed is not None and self.embed.mode == "mean":
+            return 0
         if self.prompt_scores is None:
             return self.num_tokens
         return self._first_scorer

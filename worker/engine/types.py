@@ -43,6 +43,7 @@ class RequestOutput:
     # once, on choice 0's first output of a request that asked: one entry per prompt token
     prompt_logprobs: list[TokenLogprob | None] | None = None
     prompt_token_ids: list[int] | None = None  # with prompt_logprobs: the tokens they score
+    embedding: bytes | None = None  # an embedding input's vector, little-endian float32 (pooling.py)
 
 
 @dataclass

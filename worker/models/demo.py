@@ -5,6 +5,7 @@ folder through the same code path as a downloaded model. Nothing is downloaded.
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -187,4 +188,45 @@ def build_model_dir(
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     model.generation_config.save_pretrained(path)
+    return path
+
+
+POOLING_MODES = ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens", "weightedmean_tokens", "lasttoken")
+
+
+def build_embedding_dir(path: str | Path, *, arch: str = "qwen3", pooling: str | None = "lasttoken",
+                        normalize: bool = True, bare: bool = True, matryoshka: bool | list[int] | None = None,
+                        **kw) -> Path:
+    """An embedding model's folder: build_model_dir's model, saved as its bare base model where `bare`
+    (architectures ["Qwen3Model"], tensors without "model.", no lm_head: e5-mistral's layout), with
+    sentence-transformers' files unless `pooling` is None (pooling_mode_<pooling>, one of
+    POOLING_MODES, then Normalize where `normalize`: Qwen3-Embedding's); `matryoshka` True or the
+    lengths a vector may be cut to, in config.json as is_matryoshka or matryoshka_dimensions."""
+    import torch
+    import transformers
+
+    if pooling is not None and pooling not in POOLING_MODES:
+        raise ValueError(f"pooling {pooling!r}: one of {', '.join(POOLING_MODES)}")
+    path = build_model_dir(path, arch=arch, **kw)
+    if bare:
+        base = transformers.AutoModel.from_pretrained(path, dtype=torch.float32)
+        for stale in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
+            stale.unlink()
+        base.save_pretrained(path, safe_serialization=True)
+    config = json.loads((path / "config.json").read_text())
+    if matryoshka is not None:
+        config["is_matryoshka" if matryoshka is True else "matryoshka_dimensions"] = matryoshka
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    if pooling is not None:
+        modules = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
+        folders = ["", "1_Pooling", "2_Normalize"]
+        (path / "modules.json").write_text(json.dumps([
+            {"idx": i, "name": str(i), "path": folder, "type": f"sentence_transformers.models.{kind}"}
+            for i, (kind, folder) in enumerate(zip(modules, folders))], indent=2))
+        (path / "1_Pooling").mkdir()
+        (path / "1_Pooling" / "config.json").write_text(json.dumps({
+            "word_embedding_dimension": config["hidden_size"],
+            **{f"pooling_mode_{mode}": mode == pooling for mode in POOLING_MODES}, "include_prompt": True}, indent=2))
+        if normalize:
+            (path / "2_Normalize").mkdir()
     return path

@@ -197,10 +197,12 @@ def _from_fused(piece: Piece, cfg: ModelConfig, names: set[str]) -> Piece | None
 def _fallback(name: str, names: set[str]) -> str:
     """Where a checkpoint keeps `name` under another name: a multimodal folder's text model (Gemma 3
     4B and up: `language_model.model.…` as saved, `model.language_model.…` as transformers 5 names
-    its modules), and the embeddings for a head some tied checkpoints store no lm_head for (even
-    when their config says tie_word_embeddings false)."""
+    its modules), a bare base model's (embedding folders saved without the causal LM around it:
+    `layers.…`, `embed_tokens.…`), and the embeddings for a head some tied checkpoints store no
+    lm_head for (even when their config says tie_word_embeddings false; a bare one never has one)."""
     for wanted in [name] + (["model.embed_tokens.weight"] if name == "lm_head.weight" else []):
-        for spelled in (wanted, f"language_model.{wanted}", wanted.replace("model.", "model.language_model.", 1)):
+        for spelled in (wanted, f"language_model.{wanted}", wanted.replace("model.", "model.language_model.", 1),
+                        wanted.removeprefix("model.")):
             if spelled in names:
                 return spelled
     return name
