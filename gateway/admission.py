@@ -1,7 +1,7 @@
 """Admission to /v1: key → requests per minute → a slot in flight; what was taken is given back
 (slot released, tokens settled, usage recorded) when the response has ended, whatever ended it.
 
-A generation (GENERATING: the routes that reach `open_answer`) is admitted there instead, once its
+A generation (GENERATING: the routes that reach `open_answer`, and /v1/embeddings) is admitted there instead, once its
 body is parsed and routed: its minute, its slot and its tokens in one round trip (gateway/limits.py
 ADMIT), so a request costs a key lookup and one script before its XADD. Such a request refused
 before then for what it said (a bad body, a model it may not use, a prompt past the context) takes
@@ -134,7 +134,7 @@ def resumes(request: Request) -> bool:
 
 RESUMABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 RESUME_PREFIX = "/v1/streams/"
-GENERATING = RESUMABLE_PATHS | {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens"}
+GENERATING = RESUMABLE_PATHS | {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"}
 
 
 def _deferred(request: Request, lease: Lease) -> bool:

@@ -71,8 +71,8 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # sent with Last-Event-ID, takes none): those AuthFirst refuses before the body while the key's
 # minute is known to be full. The admin API and a batch's cancel count nothing.
 COUNTED_POSTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
-                           "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/files",
-                           "/v1/batches"})
+                           "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize",
+                           "/v1/files", "/v1/batches"})
 
 
 class AuthFirst:

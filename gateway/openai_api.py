@@ -385,6 +385,12 @@ async def _limits(request: Request, state: GatewayState, lease: Lease, call: Cal
     body = call.body
     tokens = estimate.request_tokens(call.prompt, body.limit(), body.n, max_model_len,
                                      state.settings.default_reserve_tokens)
+    return reserving(request, state, lease, tokens)
+
+
+def reserving(request: Request, state: GatewayState, lease: Lease, tokens: int) -> AdmitCall:
+    """The admission script call that reserves `tokens` (and, for a deferred admission, takes the
+    request's minute and slot); `conclude` files its verdict with the lease."""
     count = lease.deferred
     prepared = state.limits.prepare(lease.key, count=count, slot_id=lease.slot_id if count else None,
                                     total_s=lease.timeouts.total_s, estimate=tokens)

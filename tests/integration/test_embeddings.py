@@ -1,0 +1,164 @@
+"""OpenAI's /v1/embeddings end to end with the real openai client: a gateway → Redis → a worker serving
+an embedding model folder (a bare Qwen3 base model with sentence-transformers' last-token pooling
+and Normalize, Matryoshka) beside a worker of a generative folder. Each vector is transformers' own
+(the base model's last hidden state of the input as the folder's tokenizer writes it, pooled and
+normalized); usage is the tokens the worker counted; every bound is a clear 4xx naming the field."""
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+from array import array
+
+import httpx
+import pytest
+import torch
+from openai import BadRequestError, OpenAI, PermissionDeniedError
+
+from tests.integration.test_faults import FAST_HEARTBEAT, KEY, Cluster
+
+ADMIN = "sk-kvg-embed-admin"
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Hello", "Embeddings, one vector an input: ünïcode too."]
+
+
+@pytest.fixture(scope="module")
+def embed_dir(tmp_path_factory):
+    from tests.conftest import TINY
+    from worker.models.demo import build_embedding_dir
+
+    return build_embedding_dir(tmp_path_factory.mktemp("embed-model"), matryoshka=True, head_dim=16, **TINY)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, embed_dir, tiny_model_dir):
+    c = Cluster(tmp_path_factory.mktemp("embeddings"), embed_dir)
+    c.start_gateway(KVGATE_ADMIN_KEY=ADMIN)
+    generator = c._spawn("w-chatty", ["worker", "--model", str(tiny_model_dir), "--served-name", "chatty",
+                                      "--redis-url", c.redis.url], {**FAST_HEARTBEAT, "KVGATE_WORKER_ID": "w-chatty"})
+    c.start_worker("w-embed")
+    c.worker_ready("w-chatty", generator)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="module")
+def reference(embed_dir):
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(embed_dir))
+    model = AutoModel.from_pretrained(str(embed_dir), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def embed(item, dimensions: int | None = None) -> tuple[list[float], int]:
+        ids = tokenizer.encode(item) if isinstance(item, str) else item
+        state = model(torch.tensor([ids])).last_hidden_state[0, -1][:dimensions]
+        return torch.nn.functional.normalize(state, dim=0).tolist(), len(ids)
+
+    return embed
+
+
+def client(cluster, key: str = KEY) -> OpenAI:
+    return OpenAI(base_url=cluster.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _post(cluster, body: dict, key: str = KEY) -> httpx.Response:
+    return httpx.post(cluster.url + "/v1/embeddings", json=body, headers={"Authorization": f"Bearer {key}"},
+                      timeout=60)
+
+
+def close(got, want) -> None:
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.tensor(want), atol=2e-5, rtol=1e-4)
+
+
+def test_the_openai_client_gets_transformers_vectors_in_order_with_usage(cluster, reference):
+    """The client asks for base64 by default (and decodes it); float is the same vector as JSON numbers."""
+    answer = client(cluster).embeddings.create(model="demo", input=TEXTS)
+    assert [d.index for d in answer.data] == [0, 1, 2] and answer.model == "demo"
+    tokens = 0
+    for item, d in zip(TEXTS, answer.data):
+        want, count = reference(item)
+        close(d.embedding, want)
+        tokens += count
+    assert answer.usage.prompt_tokens == tokens == answer.usage.total_tokens
+
+    floats = _post(cluster, {"model": "demo", "input": TEXTS[0], "encoding_format": "float"})
+    assert floats.status_code == 200, floats.text
+    body = floats.json()
+    assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+    close(body["data"][0]["embedding"], reference(TEXTS[0])[0])
+    raw = _post(cluster, {"model": "demo", "input": [TEXTS[0]], "encoding_format": "base64"}).json()
+    assert array("f", base64.b64decode(raw["data"][0]["embedding"])).tolist() == body["data"][0]["embedding"]
+
+
+def test_token_ids_and_matryoshka_dimensions(cluster, reference):
+    one = [5, 17, 300, 42]
+    answer = client(cluster).embeddings.create(model="demo", input=one, dimensions=24)
+    [d] = answer.data
+    assert len(d.embedding) == 24 and answer.usage.prompt_tokens == 4
+    close(d.embedding, reference(one, 24)[0])
+    batch = [[7, 8, 9], one, [1000] * 30]
+    answer = client(cluster).embeddings.create(model="demo", input=batch)
+    for ids, d in zip(batch, answer.data):
+        close(d.embedding, reference(ids)[0])
+    assert answer.usage.prompt_tokens == 37
+
+
+def test_more_inputs_than_the_engine_schedules_at_once_come_back_in_order(cluster, reference):
+    texts = [f"input number {i}: " + "word " * (i % 7) for i in range(40)]
+    answer = client(cluster).embeddings.create(model="demo", input=texts)
+    assert [d.index for d in answer.data] == list(range(40))
+    for i in (0, 17, 39):
+        close(answer.data[i].embedding, reference(texts[i])[0])
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    ({"input": ""}, 422, "input", "at least 1 character"),
+    ({"input": []}, 422, "input", "must not be empty"),
+    ({"input": [[]]}, 422, "input", "at least 1 item"),
+    ({"input": ["a", [1, 2]]}, 422, "input", "not a mix"),
+    ({"input": ["a"] * 2049}, 422, "input", "at most 2048"),
+    ({"input": "a", "encoding_format": "int8"}, 422, "encoding_format", "'float' or 'base64'"),
+    ({"input": "a", "dimensions": 0}, 422, "dimensions", "greater than or equal to 1"),
+    ({"input": "a", "truncate_prompt_tokens": 8}, 422, "truncate_prompt_tokens", "Extra inputs"),
+    ({"input": [[5, 10**6]]}, 400, "input", "input 0's token id 1000000 is outside"),
+    ({"input": [[5] * 5000]}, 400, "input", "maximum context length is"),
+    ({"input": "a", "dimensions": 65}, 400, "dimensions", "may have 1 to 64"),
+])
+def test_each_bad_input_is_refused_by_name(cluster, body, status, param, words):
+    resp = _post(cluster, {"model": "demo", **body})
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert error["param"].startswith(param) and words in error["message"], error
+
+
+def test_each_model_serves_its_own_task(cluster):
+    with pytest.raises(BadRequestError, match="does not serve embeddings"):
+        client(cluster).embeddings.create(model="chatty", input="hello")
+    with pytest.raises(BadRequestError, match="embedding model: it serves /v1/embeddings"):
+        client(cluster).chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+    reply = client(cluster).completions.create(model="chatty", prompt="Hello", max_tokens=3)
+    assert reply.usage.completion_tokens >= 1  # the generative worker beside it serves as ever
+
+
+def test_governance_403_429_and_the_usage_recorded(cluster, reference):
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+
+    def key(name: str, **fields) -> str:
+        resp = httpx.post(cluster.url + "/admin/keys", headers=admin, json={"name": name, **fields}, timeout=30)
+        assert resp.status_code == 201, resp.text
+        return resp.json()["secret"]
+
+    with pytest.raises(PermissionDeniedError):
+        client(cluster, key("embed-other-" + secrets.token_hex(3), models=["chatty"])).embeddings.create(
+            model="demo", input="x")
+    name = "embed-" + secrets.token_hex(3)
+    tight = key(name, tpm=40)
+    assert _post(cluster, {"model": "demo", "input": [[5] * 30]}, key=tight).status_code == 200
+    over = _post(cluster, {"model": "demo", "input": [[5] * 30]}, key=tight)
+    assert over.status_code == 429 and "tokens" in over.json()["error"]["message"]
+    deadline, rows = time.monotonic() + 10, []  # settled once the response has ended
+    while not rows and time.monotonic() < deadline:
+        rows = httpx.get(cluster.url + "/admin/usage", params={"key": name, "since": "1d"}, headers=admin,
+                         timeout=30).json()["rows"]
+        time.sleep(0.1)
+    assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(1, 30, 0)]
