@@ -162,3 +162,35 @@ def test_governance_403_429_and_the_usage_recorded(cluster, reference):
                          timeout=30).json()["rows"]
         time.sleep(0.1)
     assert [(r["requests"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [(1, 30, 0)]
+
+
+def test_kvgate_up_serves_an_embedding_folder_and_runs_a_batch_of_embeddings(embed_dir, reference, tmp_path):
+    """`kvgate up --model` on an embedding folder (its worker embeds), and OpenAI's Batch API with
+    endpoint /v1/embeddings through the batch runner: each line's body is the vector the route gives."""
+    import io
+
+    import orjson
+
+    from tests.conftest import start_stack, stop_stack
+
+    stack = start_stack(embed_dir, tmp_path / ".kvgate", "paged", {"KVGATE_MAINTENANCE_S": "2"})
+    try:
+        api = OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0, timeout=60)
+        lines = [{"custom_id": f"e-{i}", "method": "POST", "url": "/v1/embeddings",
+                  "body": {"model": "demo", "input": [TEXTS[i % 3], f"line {i}"]}} for i in range(6)]
+        upload = api.files.create(file=("in.jsonl", io.BytesIO(b"".join(orjson.dumps(x) + b"\n" for x in lines))),
+                                  purpose="batch")
+        batch = api.batches.create(input_file_id=upload.id, endpoint="/v1/embeddings", completion_window="24h")
+        deadline = time.monotonic() + 120
+        while (batch := api.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.3)
+        assert batch.status == "completed" and batch.request_counts.completed == 6, batch
+        out = {o["custom_id"]: o for o in map(orjson.loads, api.files.content(batch.output_file_id).text.splitlines())}
+        body = out["e-4"]["response"]["body"]
+        close(body["data"][0]["embedding"], reference(TEXTS[1])[0])
+        close(body["data"][1]["embedding"], reference("line 4")[0])
+        assert batch.usage.input_tokens == sum(o["response"]["body"]["usage"]["prompt_tokens"] for o in out.values())
+        assert batch.usage.output_tokens == 0
+    finally:
+        stop_stack(stack.proc)

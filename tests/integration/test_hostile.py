@@ -163,7 +163,7 @@ ROUTE_CASES = [
         "input_file_id": "file-" + "x" * 100_000, "endpoint": "/v1/completions", "completion_window": "24h"}},
      "user", 422, "input_file_id"),
     ("batch for another endpoint", "POST", "/v1/batches", {"json": {
-        "input_file_id": "file-nope", "endpoint": "/v1/embeddings", "completion_window": "24h"}},
+        "input_file_id": "file-nope", "endpoint": "/v1/moderations", "completion_window": "24h"}},
      "user", 422, "endpoint"),
     ("batch with a 48h window", "POST", "/v1/batches", {"json": {
         "input_file_id": "file-nope", "endpoint": "/v1/completions", "completion_window": "48h"}},

@@ -55,7 +55,10 @@ def test_last_token_chunked_batched_and_cached(folders, random_prompts):
     inputs = random_prompts(6, 5, 70, seed=1)
     llm = LLM(folders["last"], block_size=8, max_num_batched_tokens=24, dtype="float32")
     want = expected(folders["last"], inputs, "last", True)
+    sample, sampled = llm.engine.runner.sampler.sample, []
+    llm.engine.runner.sampler.sample = lambda logits, rows: sampled.append(rows) or sample(logits, rows)
     close(llm.embed(inputs), want)
+    assert not sampled  # an input's rows never reach the sampler (nor the head's logits)
     queries = llm.engine.pool.num_queries
     hits = llm.engine.pool.num_hits
     close(llm.embed(inputs), want)  # again: every full block but the last token's from the cache
