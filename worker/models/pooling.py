@@ -41,9 +41,11 @@ def read_pooling(model_dir: str | Path, task: str = "auto") -> Pooling | None:
         return None
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
-    if config.get("use_bidirectional_attention"):
-        raise ValueError(f"use_bidirectional_attention in {model_dir / 'config.json'}: bidirectional attention is "
-                         "not supported (kvgate's engine attends causally)")
+    # EmbeddingGemma's flag, and the is_causal false of decoders trained to attend both ways
+    for flag, bidirectional in (("use_bidirectional_attention", True), ("is_causal", False)):
+        if config.get(flag, not bidirectional) == bidirectional:
+            raise ValueError(f"{flag} {str(bidirectional).lower()} in {model_dir / 'config.json'}: bidirectional "
+                             "attention is not supported (kvgate's engine attends causally)")
     if (model_dir / "modules.json").is_file():
         pooling = _sentence_transformers(model_dir)
     elif task == "embed" or any(name in BASE_MODELS for name in config.get("architectures") or []):

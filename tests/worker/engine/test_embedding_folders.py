@@ -81,7 +81,8 @@ POOLING = "1_Pooling/config.json"
     (POOLING, dict(pooling_mode_lasttoken=False), "pools by no mode"),
     (POOLING, dict(include_prompt=False), "1_Pooling/config.json says include_prompt false"),
     ("config.json", dict(use_bidirectional_attention=True),
-     "use_bidirectional_attention in .*config.json: bidirectional attention is not supported"),
+     "use_bidirectional_attention true in .*config.json: bidirectional attention is not supported"),
+    ("config.json", dict(is_causal=False), "is_causal false in .*config.json: bidirectional attention"),
 ])
 def test_what_no_causal_pooling_computes_is_refused_by_name(folders, tmp_path, file, changes, message):
     folder = edited(folders["qwen3"], tmp_path / "folder", file, **changes)

@@ -188,3 +188,11 @@ def test_embed_task_serves_a_causal_folder_by_its_last_token(build_tiny, random_
     inputs = random_prompts(3, 5, 25, seed=9)
     llm = LLM(folder, block_size=8, dtype="float32", task="embed")
     close(llm.embed(inputs), expected(folder, inputs, "last", True))
+
+
+def test_tp2_pools_on_rank_0_as_tp1_does(folders, random_prompts):
+    """Each rank holds the whole hidden states after its all-reduce; rank 0 pools, the others skip."""
+    inputs = random_prompts(4, 5, 40, seed=10)
+    with LLM(folders["mean"], block_size=8, max_num_batched_tokens=24, dtype="float32",
+             tensor_parallel_size=2) as tp2:
+        close(tp2.embed(inputs), expected(folders["mean"], inputs, "mean", False))
