@@ -317,6 +317,18 @@ def bench_programs(model: str | None, quick: bool, questions: int | None, only: 
               **({"only": only} if only else {}))
 
 
+@bench.command("embeddings")
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A causal model folder, served with task embed [default: a random ~58M Llama built for the run]")
+@click.option("--quick", is_flag=True, help="A tiny model and 32 inputs (smoke check)")
+@click.option("--out", default="bench-out/embeddings.json", show_default=True)
+def bench_embeddings(model: str | None, quick: bool, out: str) -> None:
+    """/v1/embeddings: the paged engine vs transformers' padded batches, cached, and through the stack."""
+    from kvgate.bench.embeddings import run_bench
+
+    run_bench(quick=quick, out_json=out, model_dir=model)
+
+
 from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving benchmark)
 
 bench.add_command(serve_command, "serve")
