@@ -194,3 +194,43 @@ def test_kvgate_up_serves_an_embedding_folder_and_runs_a_batch_of_embeddings(emb
         assert batch.usage.output_tokens == 0
     finally:
         stop_stack(stack.proc)
+
+
+def test_a_worker_killed_mid_request_is_taken_over_without_its_answered_inputs(embed_dir, reference, tmp_path):
+    """The worker stops (SIGSTOP, then SIGKILL) with some vectors sent: the other worker takes the
+    entry over, skips the inputs its checkpoint log says were answered, and the client gets every
+    vector, each transformers' own, and the usage once."""
+    import signal
+    import threading
+
+    from shared import names
+
+    c = Cluster(tmp_path, embed_dir)
+    try:
+        c.start_gateway()
+        victim = c.start_worker("w-victim", "--max-num-seqs", "2", KVGATE_FAULT_STEP_MS="100")
+        texts = [f"text {i} " + "more " * (i % 5) for i in range(40)]
+        answer = {}
+        request = threading.Thread(target=lambda: answer.update(
+            r=client(c).embeddings.create(model="demo", input=texts)))
+        request.start()
+        deadline = time.monotonic() + 60
+        while not any(c.client.llen(k) >= 6 for k in c.client.scan_iter(names.checkpoint_key("embd-*"))):
+            assert time.monotonic() < deadline, "the victim sent no vectors"
+            time.sleep(0.02)
+        victim.send_signal(signal.SIGSTOP)  # some vectors out, most not
+        c.start_worker("w-survivor")
+        victim.send_signal(signal.SIGKILL)
+        request.join(120)
+        assert not request.is_alive()
+        got = answer["r"]
+        assert [d.index for d in got.data] == list(range(40))
+        for item, d in zip(texts, got.data):
+            close(d.embedding, reference(item)[0])
+        total = sum(reference(t)[1] for t in texts)
+        assert got.usage.prompt_tokens == total
+        survivor = c.fresh_info("w-survivor")
+        assert survivor["requests_resumed"] == 1
+        assert 0 < survivor["stats"]["prefix_cache_queries"] < total  # it embedded only the rest
+    finally:
+        c.close()
