@@ -195,6 +195,8 @@ class CompletionRequest(_Sampling):
     # `_batch`: a bound here would fail its branch, and the union would name another branch's error.)
     prompt: Union[str, TokenIds, Annotated[list[str], Field(fail_fast=True)],
                   Annotated[list[TokenIds], Field(fail_fast=True)]]
+    # 0: the prompt is scored and nothing generated (OpenAI's legacy scoring: echo with logprobs)
+    max_tokens: int | None = Field(None, ge=0, le=b.MAX_TOKENS)
     logprobs: int | None = Field(None, ge=0, le=b.LOGPROBS)
     echo: StrictBool = False  # the prompt comes back before each choice's text (and its logprobs, with logprobs)
     # vLLM's: each prompt token's logprob and rank plus the top-k, in each choice's `prompt_logprobs`
@@ -212,6 +214,15 @@ class CompletionRequest(_Sampling):
             raise ValueError("echo with logprobs streams one choice a prompt (each prompt is scored once); "
                              "send n=1 or stream=false")
         return v
+
+    @model_validator(mode="after")
+    def _nothing_to_generate_needs_the_prompt(self):
+        """max_tokens 0 answers with the prompt alone: it must ask for it back (echo) or for its scores
+        (a 400 naming max_tokens, not pydantic's 422: every field is valid on its own)."""
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise InvalidRequest("max_tokens 0 generates nothing: send echo (the prompt back; with logprobs, its "
+                                 "tokens' logprobs) or prompt_logprobs", param="max_tokens")
+        return self
 
     def scores_prompt(self) -> int | None:
         """The engine's prompt_logprobs: asked for directly, or by echo with logprobs (OpenAI's legacy

@@ -222,3 +222,30 @@ def test_a_select_past_one_batch_scores_as_the_in_process_engine(stack, local):
         assert endpoint.usage["requests"] == 3
     finally:
         endpoint.close()
+
+
+def test_max_tokens_0_echoes_the_prompt_with_its_logprobs_and_nothing_more(stack):
+    """OpenAI's legacy scoring request (lm-evaluation-harness's `openai-completions` sends it): echo,
+    logprobs, max_tokens 0 — the prompt and its tokens' logprobs, those a max_tokens 1 request gets
+    for the prompt, no completion; streamed alike; without echo or prompt_logprobs a 400."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack.url + "/v1", api_key=stack.key, max_retries=0)
+    scoring = {"model": "demo", "prompt": "one two three four", "echo": True, "logprobs": 3, "temperature": 0}
+    zero, one = client.completions.create(max_tokens=0, **scoring), client.completions.create(max_tokens=1, **scoring)
+    n = zero.usage.prompt_tokens
+    choice = zero.choices[0]
+    assert choice.text == "one two three four" and choice.finish_reason == "length"
+    assert zero.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == n
+    assert choice.logprobs.tokens == one.choices[0].logprobs.tokens[:n]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(one.choices[0].logprobs.token_logprobs[1:n], abs=1e-5)
+    streamed = list(client.completions.create(max_tokens=0, stream=True, **{**scoring, "logprobs": None}))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == "one two three four"
+    scores = httpx.post(stack.url + "/v1/completions", headers={"Authorization": f"Bearer {stack.key}"}, json={
+        "model": "demo", "prompt": "one two three four", "max_tokens": 0, "prompt_logprobs": 1}).json()
+    assert scores["choices"][0]["text"] == "" and len(scores["choices"][0]["prompt_logprobs"]) == n
+    bare = httpx.post(stack.url + "/v1/completions", headers={"Authorization": f"Bearer {stack.key}"},
+                      json={"model": "demo", "prompt": "x", "max_tokens": 0})
+    assert bare.status_code == 400 and bare.json()["error"]["param"] == "max_tokens", bare.text
+    assert "generates nothing" in bare.json()["error"]["message"]

@@ -81,6 +81,9 @@ class ModelFacts:
         if params.structured_outputs is not None and not self.constrains:
             raise EngineRejected(f"structured_outputs need the paged engine; this worker runs "
                                  f"{type(self).__name__}", "invalid_structured_output", "structured_outputs")
+        if params.max_tokens == 0 and not self.scores_prompts:
+            raise EngineRejected(f"max_tokens 0 (the prompt scored, nothing generated) needs the paged engine; "
+                                 f"this worker runs {type(self).__name__}", "invalid_request", "max_tokens")
         if params.prompt_logprobs is not None and not self.scores_prompts:
             raise EngineRejected(f"prompt_logprobs need the paged engine; this worker runs "
                                  f"{type(self).__name__}", "invalid_request", "prompt_logprobs")
@@ -146,8 +149,8 @@ def _check_numbers(p: SamplingParams, vocab_size: int) -> None:
                  "repetition_penalty"):
         if not math.isfinite(getattr(p, name)):
             refuse(name, "a finite number", getattr(p, name))
-    if p.max_tokens < 1:
-        refuse("max_tokens", "at least 1", p.max_tokens)
+    if p.max_tokens < 0:
+        refuse("max_tokens", "0 (the prompt scored, nothing generated) or more", p.max_tokens)
     if not 0 <= p.min_tokens <= p.max_tokens:
         refuse("min_tokens", f"between 0 and max_tokens ({p.max_tokens})", p.min_tokens)
     if not 1 <= p.n <= MAX_N:

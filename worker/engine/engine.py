@@ -210,7 +210,7 @@ class LLMEngine(ModelFacts):
             return outputs + self._fail_step(batch, exc)
         for seq, num_new in batch:
             seq.num_computed_tokens += num_new
-        outputs += self._embedded(batch)
+        outputs += self._prefilled(batch)
         for seq, token, logprob in sampled:
             if seq.is_finished:  # its request failed earlier in this loop
                 continue
@@ -222,24 +222,27 @@ class LLMEngine(ModelFacts):
                 outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
         return outputs
 
-    def _embedded(self, batch) -> list[RequestOutput]:
-        """The embedding inputs whose prefill this step ended: finished, each with its vector."""
+    def _prefilled(self, batch) -> list[RequestOutput]:
+        """The prefill-only sequences whose prefill this step ended: finished, an embedding input
+        with its vector, a max_tokens 0 choice ("length") with its prompt's scores."""
         outputs = []
         for seq, _ in batch:
-            if seq.embed is None or seq.is_finished or seq.num_computed_tokens < seq.num_tokens:
+            if not seq.prefill_only or seq.is_finished or seq.num_computed_tokens < seq.num_tokens:
                 continue
             try:
-                vector = pooling.vector(seq)
+                vector = pooling.vector(seq) if seq.embed is not None else None
             except Exception as exc:
                 outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
                 continue
-            self.scheduler.finish(seq, "stop")
-            self.embedding_open[seq.request_id] -= 1
+            self.scheduler.finish(seq, "stop" if seq.embed is not None else "length")
+            if seq.embed is not None:
+                self.embedding_open[seq.request_id] -= 1
             if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
                 self._forget_embedding(seq.request_id)
             out = self._output(seq, [], "", None)
             out.embedding = vector
+            self._add_prompt_scores(out, seq)
             outputs.append(out)
         return outputs
 
@@ -304,10 +307,15 @@ class LLMEngine(ModelFacts):
             if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
                 self.requests.pop(seq.request_id, None)
         out = self._output(seq, [token], text, logprob)
+        self._add_prompt_scores(out, seq)
+        return out
+
+    @staticmethod
+    def _add_prompt_scores(out: RequestOutput, seq: Sequence) -> None:
+        """The prompt's scores go out once, with the choice's first output."""
         out.prompt_logprobs = seq.take_prompt_logprobs()
         if out.prompt_logprobs is not None:
             out.prompt_token_ids = seq.prompt_ids
-        return out
 
     @staticmethod
     def _output(seq: Sequence, new_ids: list[int], text: str, logprob: TokenLogprob | None) -> RequestOutput:

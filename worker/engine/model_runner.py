@@ -341,7 +341,7 @@ class ModelRunner:
                               dtype=torch.int32)
         slots = [seq.block_table[s // bs] * bs + s % bs for (seq, _), s in zip(batch, starts)]
         query_start = torch.arange(len(batch) + 1, dtype=torch.int32)
-        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens and seq.embed is None]
+        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens and not seq.prefill_only]
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots), query_start_loc=query_start,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,
@@ -370,7 +370,7 @@ class ModelRunner:
         offsets = torch.tensor(starts) - query_start[:-1]
         positions = torch.arange(len(input_ids)) + offsets[row]
         slots = tables[row, positions // bs].long() * bs + positions % bs
-        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens and seq.embed is None]
+        sample_rows = [r for r, (seq, _) in enumerate(batch) if seq_lens[r] == seq.num_tokens and not seq.prefill_only]
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=query_start,
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables,

@@ -42,6 +42,12 @@ class Sequence:
         self.pooled = None  # its pooled state so far (a float32 tensor on the CPU)
 
     @property
+    def prefill_only(self) -> bool:
+        """Its prompt is computed and nothing is sampled: an embedding input, or a request with
+        max_tokens 0 (its prompt scored, OpenAI's legacy echo without a completion)."""
+        return self.embed is not None or self.params.max_tokens == 0
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
 

@@ -75,7 +75,8 @@ REFUSED = [  # (prompt, params, words the refusal must contain, error code, para
     ([5], SamplingParams(max_tokens=4, top_p=0.0), "top_p must be in (0, 1]", "invalid_request", "top_p"),
     ([5], SamplingParams(max_tokens=4, repetition_penalty=0.0), "repetition_penalty must be greater "
      "than 0", "invalid_request", "repetition_penalty"),
-    ([5], SamplingParams(max_tokens=0), "max_tokens must be at least 1", "invalid_request", "max_tokens"),
+    ([5], SamplingParams(max_tokens=-1), "max_tokens must be 0 (the prompt scored, nothing generated) or more",
+     "invalid_request", "max_tokens"),
     ([], GREEDY, "the prompt has 0 tokens", "invalid_request", "prompt"),
     ([5] * 200, SamplingParams(max_tokens=4000), "exceeds max_model_len", "context_length_exceeded", None),
 ]

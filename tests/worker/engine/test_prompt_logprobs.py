@@ -142,3 +142,26 @@ def test_a_batch_is_bounded_by_its_choices_and_each_prompt_checked(model_dir):
     with pytest.raises(EngineRejected, match="the prompt has 0 tokens"):
         llm.engine.add_request("r", [[5, 6], []], SamplingParams())
     assert not llm.engine.has_unfinished()
+
+
+def test_max_tokens_0_scores_the_prompt_and_samples_nothing(model_dir, reference, random_prompts):
+    """OpenAI's legacy scoring request (echo, logprobs, max_tokens 0): the prompt's scores as any
+    other request's, no token sampled, each choice finished by length once its prefill ends."""
+    prompts = random_prompts(3, 20, 50, seed=11)
+    llm = LLM(model_dir, block_size=8, max_num_batched_tokens=24, dtype="float32")
+    sample, sampled = llm.engine.runner.sampler.sample, []
+    llm.engine.runner.sampler.sample = lambda logits, rows: sampled.append(rows) or sample(logits, rows)
+    results = llm.generate(prompts, SamplingParams(max_tokens=0, n=2, temperature=0, prompt_logprobs=2))
+    assert not sampled
+    for prompt, result in zip(prompts, results):
+        check(prompt, result.prompt_logprobs, reference(prompt), 2)
+        assert [(c.token_ids, c.finish_reason) for c in result.outputs] == [([], "length")] * 2
+    assert llm.engine.pool.num_free_blocks == llm.engine.pool.num_blocks
+
+
+def test_max_tokens_0_needs_the_paged_engine(model_dir):
+    from worker.engine.hf_engine import HFEngine
+
+    with pytest.raises(EngineRejected, match="max_tokens 0 .* needs the paged engine"):
+        HFEngine.from_model_dir(model_dir, device="cpu", dtype="float32").add_request(
+            "r", [5, 6, 7], SamplingParams(max_tokens=0))
