@@ -253,7 +253,7 @@ def run_up(model, served_name, version_, engine, port, redis_port, state_dir,
         metrics_url = worker_metrics_url(redis_url, served_name)
         (state / "worker.metrics.url").write_text(metrics_url + "\n")
         _write_state(state, url, redis_url, key, admin_key, model_dir)
-        _announce(url, key, served_name, state)
+        _announce(url, key, served_name, state, model_dir)
         if certs:
             print(trust_hint(certs.ca, url), flush=True)
         while not stopping:
@@ -335,14 +335,29 @@ def _write_state(state: Path, url: str, redis_url: str, key: str, admin_key: str
     write_secret(state / "dev.key", key)  # last: scripts wait for it
 
 
-def _announce(url: str, key: str, served_name: str, state: Path) -> None:
+def _announce(url: str, key: str, served_name: str, state: Path, model_dir: Path) -> None:
     print(f"kvgate is up at {url}  (model '{served_name}')")
     print(f"dev key: {key}")
     print(f"admin key: in {state / 'admin.key'} (for `kvgate keys ...` and /admin)")
     worker_metrics = (state / "worker.metrics.url").read_text().strip()
     print(f"metrics: {url}/metrics (gateway), {worker_metrics} (worker)")
     print("try:")
+    if _embeds(model_dir):
+        print(f"  curl {url}/v1/embeddings -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{served_name}\", \"input\": [\"Hello\", \"world\"]}}'", flush=True)
+        return
     print(f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"{served_name}\", \"stream\": true, "
           f"\"max_tokens\": 32, \"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}]}}'",
           flush=True)
+
+
+def _embeds(model_dir: Path) -> bool:
+    """The worker's task as KVGATE_TASK and the folder decide it (worker/models/pooling.py)."""
+    from shared.settings import WorkerSettings
+    from worker.models.pooling import read_pooling
+
+    try:
+        return read_pooling(model_dir, WorkerSettings(model=str(model_dir)).task) is not None
+    except ValueError:  # the worker says why, in its log
+        return False
