@@ -234,12 +234,16 @@ class LLMEngine(ModelFacts):
             except Exception as exc:
                 outputs.append(self._fail_request(seq, request_error(seq.request_id, exc)))
                 continue
+            rid = seq.request_id
             self.scheduler.finish(seq, "stop" if seq.embed is not None else "length")
-            if seq.embed is not None:
-                self.embedding_open[seq.request_id] -= 1
-            if all(s.is_finished for s in self.requests.get(seq.request_id, [])):
-                self.requests.pop(seq.request_id, None)
-                self._forget_embedding(seq.request_id)
+            if seq.embed is not None:  # counted, not scanned: a request may have 2,048 inputs
+                self.embedding_open[rid] -= 1
+                done = not self.embedding_open[rid] and rid not in self.embedding_queue
+            else:
+                done = all(s.is_finished for s in self.requests.get(rid, []))
+            if done:
+                self.requests.pop(rid, None)
+                self._forget_embedding(rid)
             out = self._output(seq, [], "", None)
             out.embedding = vector
             self._add_prompt_scores(out, seq)
