@@ -56,6 +56,17 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1, le=DIMENSIONS, description="A Matryoshka model's shorter "
                                    "vectors (the first `dimensions`, normalized again); others refuse it")
     user: str | None = Field(None, max_length=b.USER_CHARS)
+    # vLLM's: each input keeps its last k tokens (-1: as many as the model's context holds); unset, an
+    # input past the context is a 400
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=b.MAX_TOKENS)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _keeps_something(cls, v):
+        if v == 0:
+            raise ValueError("truncate_prompt_tokens keeps the last k tokens of each input: k >= 1, or -1 for the "
+                             "model's context length")
+        return v
 
     @field_validator("input", mode="before")
     @classmethod
@@ -92,12 +103,12 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
     check_model_allowed(lease.key, model)
     version = await state.router.version_for(model, lease.key)
     facts = await state.registry.facts(model, version)
-    _check_ids(facts, body.input)
+    _check_ids(facts, body.input, truncated=body.truncate_prompt_tokens is not None)
     entry = _entry(state, lease, body, version)
     check_peer_features(entry, facts.schema)
     handle = await state.dispatcher.submit(
         names.request_stream(model, version, lease.lane), entry, interactive=lease.lane == names.DEFAULT_LANE,
-        schema=facts.schema, timeouts=lease.timeouts, before=_limits(request, state, lease, body))
+        schema=facts.schema, timeouts=lease.timeouts, before=_limits(request, state, lease, body, facts.max_model_len))
     lease.dispatched(model, handle, Outcome(model, version, None))  # no window: not a canary signal
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     try:
@@ -129,13 +140,14 @@ async def _collect(handle, count: int, state: GatewayState) -> tuple[list[str], 
     raise EngineFailure("the worker's answer ended before it was done")
 
 
-def _check_ids(facts, inputs: list) -> None:
-    """400 for a token-id input past the context or outside the vocabulary, before anything is
-    queued (text inputs are measured by the worker, which refuses likewise)."""
+def _check_ids(facts, inputs: list, truncated: bool) -> None:
+    """400 for a token-id input past the context (unless it is to be truncated) or outside the
+    vocabulary, before anything is queued (text inputs are measured by the worker, which refuses
+    likewise)."""
     for i, ids in enumerate(inputs):
         if isinstance(ids, str):
             return
-        if facts.max_model_len is not None and len(ids) > facts.max_model_len:
+        if facts.max_model_len is not None and len(ids) > facts.max_model_len and not truncated:
             raise ContextLengthExceeded(f"input {i} has {len(ids)} tokens; this model's maximum context length "
                                         f"is {facts.max_model_len} tokens", param="input")
         if facts.vocab_size is not None and max(ids) >= facts.vocab_size:
@@ -155,10 +167,13 @@ def _encoded(vector: str, encoding_format: str):
     return numpy.frombuffer(base64.b64decode(vector), dtype="<f4")
 
 
-def _limits(request: Request, state: GatewayState, lease: Lease, body: EmbeddingRequest) -> AdmitCall:
-    """The key's minute, its slot and the inputs' tokens, in the XADD's round trip (as a completion's)."""
-    tokens = sum(estimate.prompt_tokens(one) for one in estimate.each_prompt(body.prompt()))
-    return reserving(request, state, lease, tokens)
+def _limits(request: Request, state: GatewayState, lease: Lease, body: EmbeddingRequest,
+            max_model_len: int | None) -> AdmitCall:
+    """The key's minute, its slot and the inputs' tokens (each at most what truncation keeps), in the
+    XADD's round trip (as a completion's)."""
+    keep = max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+    each = [estimate.prompt_tokens(one) for one in estimate.each_prompt(body.prompt())]
+    return reserving(request, state, lease, sum(min(n, keep) if keep else n for n in each))
 
 
 def _entry(state: GatewayState, lease: Lease, body: EmbeddingRequest, version: str) -> protocol.RequestEntry:
@@ -166,7 +181,8 @@ def _entry(state: GatewayState, lease: Lease, body: EmbeddingRequest, version: s
     total_s = lease.timeouts.total_s if lease.timeouts else state.settings.request_timeout_s
     return protocol.RequestEntry(
         request_id=f"embd-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel, model=body.model,
-        version=version, kind="embed", prompts=body.input, dimensions=body.dimensions, created=now,
+        version=version, kind="embed", prompts=body.input, dimensions=body.dimensions,
+        truncate=body.truncate_prompt_tokens, created=now,
         deadline=now + total_s, key_id=lease.key.id, weight=lease.key.weight,
         priority=BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0, cache_salt=lease.key.cache_salt(),
         trace=telemetry.inject())

@@ -102,6 +102,9 @@ class RequestEntry(BaseModel):
     # v9: an embed entry's vector length (Matryoshka models: the first `dimensions` of the pooled
     # state, then normalized); None: the model's whole hidden size
     dimensions: int | None = None
+    # v9: an embed entry's inputs keep their last `truncate` tokens (vLLM's truncate_prompt_tokens; -1: as many
+    # as the worker's context holds); None: an input past the context is refused
+    truncate: int | None = None
 
     def sampling_params(self, model_defaults: dict | None = None, **when_absent) -> SamplingParams:
         """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
@@ -178,7 +181,7 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     6: {"request": frozenset({"streamed"})},
     7: {"request": frozenset({"from_model"})},
     8: {"request": frozenset({"prompts", "echo_prompt"}), "delta": frozenset({"prompt_texts"})},
-    9: {"request": frozenset({"dimensions"}), "delta": frozenset({"embedding"})},
+    9: {"request": frozenset({"dimensions", "truncate"}), "delta": frozenset({"embedding"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves

@@ -281,8 +281,12 @@ class Admission:
 
         if entry.prompt_token_ids is not None:
             return list(entry.prompt_token_ids)
-        if entry.prompts is not None:  # a batched completion's
-            return [list(p) if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in entry.prompts]
+        if entry.prompts is not None:  # a batched completion's, an embedding's inputs
+            prompts = [list(p) if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in entry.prompts]
+            if entry.truncate is None:
+                return prompts
+            keep = self.engine.max_model_len if entry.truncate == -1 else entry.truncate
+            return [p[-keep:] for p in prompts]  # the end kept, as vLLM truncates
         if entry.kind == "chat":
             return render_chat(self.tokenizer, entry.messages or [], entry.tools, entry.chat_template_kwargs)
         return encode_prompt(self.tokenizer, entry.prompt or "")

@@ -104,6 +104,27 @@ def test_token_ids_and_matryoshka_dimensions(cluster, reference):
     assert answer.usage.prompt_tokens == 37
 
 
+def test_truncate_prompt_tokens_keeps_each_inputs_end(cluster, reference):
+    """vLLM's truncate_prompt_tokens: an input past the context is embedded by its last tokens (-1: as
+    many as the context holds) instead of refused; the usage counts what was embedded."""
+    limit = httpx.get(cluster.url + "/v1/models/demo", headers={"Authorization": f"Bearer {KEY}"}).json()["max_model_len"]
+    long = [9 + i % 500 for i in range(limit + 40)]
+    refused = _post(cluster, {"model": "demo", "input": [long]})
+    assert refused.status_code == 400 and "maximum context length" in refused.json()["error"]["message"]
+    kept = client(cluster).embeddings.create(model="demo", input=[long, [5, 6, 7]],
+                                             extra_body={"truncate_prompt_tokens": -1})
+    close(kept.data[0].embedding, reference(long[-limit:])[0])
+    close(kept.data[1].embedding, reference([5, 6, 7])[0])
+    assert kept.usage.prompt_tokens == limit + 3
+    text = "a sentence whose beginning is cut away, and its end kept"
+    five = client(cluster).embeddings.create(model="demo", input=text, extra_body={"truncate_prompt_tokens": 5})
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(cluster.model_dir)).encode(text)
+    close(five.data[0].embedding, reference(ids[-5:])[0])
+    assert five.usage.prompt_tokens == 5
+
+
 def test_more_inputs_than_the_engine_schedules_at_once_come_back_in_order(cluster, reference):
     texts = [f"input number {i}: " + "word " * (i % 7) for i in range(40)]
     answer = client(cluster).embeddings.create(model="demo", input=texts)
@@ -120,7 +141,8 @@ def test_more_inputs_than_the_engine_schedules_at_once_come_back_in_order(cluste
     ({"input": ["a"] * 2049}, 422, "input", "at most 2048"),
     ({"input": "a", "encoding_format": "int8"}, 422, "encoding_format", "'float' or 'base64'"),
     ({"input": "a", "dimensions": 0}, 422, "dimensions", "greater than or equal to 1"),
-    ({"input": "a", "truncate_prompt_tokens": 8}, 422, "truncate_prompt_tokens", "Extra inputs"),
+    ({"input": "a", "normalize": False}, 422, "normalize", "Extra inputs"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, 422, "truncate_prompt_tokens", "k >= 1, or -1"),
     ({"input": [True, 5]}, 422, "input", "not a mix"),
     ({"input": [5.0, 6]}, 422, "input", "not a mix"),
     ({"input": [[[5]]]}, 422, "input", "valid integer"),
