@@ -236,7 +236,8 @@ class Admission:
                                  "generated; the request set no max_tokens)")
         params = to_sampling_params(entry, room, self.model_defaults)
         resume = Resume(output_ids=ckpt.tokens, finished=set(ckpt.finished))
-        self.engine.add_request(entry.request_id, prompt_ids, params, resume, tenant=tenant)
+        self.engine.add_request(entry.request_id, prompt_ids, params, resume, tenant=tenant,
+                                to_context=entry.params.max_tokens is None)
 
     def _embed(self, entry: protocol.RequestEntry, prompts: list[list[int]], ckpt: checkpoint.Checkpoint,
                tenant: str | None) -> None:

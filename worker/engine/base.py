@@ -9,6 +9,7 @@ device-side assert that takes the whole process's CUDA context with it).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 
@@ -115,6 +116,13 @@ class ModelFacts:
             raise EngineRejected(
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
                 f"exceeds max_model_len of {self._max_model_len} tokens")
+
+
+def prompt_params(params: SamplingParams, prompt: list[int], max_model_len: int, to_context: bool) -> SamplingParams:
+    """A prompt's choices' parameters: a request that set no max_tokens (`to_context`) runs each
+    prompt's choices to the end of the context, as vLLM does, not to the room the batch's longest
+    prompt leaves (what `params` carries, and what the request was checked with)."""
+    return dataclasses.replace(params, max_tokens=max_model_len - len(prompt)) if to_context else params
 
 
 def prompts_of(prompt_ids: list[int] | list[list[int]]) -> list[list[int]]:

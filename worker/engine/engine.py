@@ -19,7 +19,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from worker.engine import pooling
-from worker.engine.base import ModelFacts, log, prompts_of, request_error, step_error
+from worker.engine.base import ModelFacts, log, prompt_params, prompts_of, request_error, step_error
 from worker.engine.block_pool import BlockPool
 from worker.engine.compiling import CompilingRequests
 from worker.engine.config import EngineConfig
@@ -74,11 +74,12 @@ class LLMEngine(ModelFacts):
         return cls(EngineConfig(model_dir=str(model_dir), **overrides))
 
     def add_request(self, request_id: str, prompt_ids: list[int] | list[list[int]], params: SamplingParams,
-                    resume: Resume | None = None, tenant: str | None = None) -> None:
+                    resume: Resume | None = None, tenant: str | None = None, to_context: bool = False) -> None:
         """All or nothing: the sequences are built (and a resumed one's tokens replayed) before any
         enters the scheduler, so a request that raises here leaves no trace in the engine. `tenant`
         (the key the worker read from the entry) takes its turn for a grammar compile. `prompt_ids`:
-        one prompt, or a batched completion's prompts, each with its n choices (base.prompts_of)."""
+        one prompt, or a batched completion's prompts, each with its n choices (base.prompts_of);
+        `to_context`: the request set no max_tokens (base.prompt_params)."""
         # Nothing is reserved: blocks are allocated as the sequence grows, preemption handles
         # pressure, and start-up sized max_model_len to what the pool holds, so whatever passes
         # the context check (a request without max_tokens: the rest of the context) can run.
@@ -91,7 +92,8 @@ class LLMEngine(ModelFacts):
         spec = params.structured_outputs
         grammar = self.grammars.submit(spec, tenant) if spec is not None else None  # refuses an oversized spec
         resume = resume or Resume()
-        seqs = [Sequence(request_id, p * params.n + i, prompt, params)
+        seqs = [Sequence(request_id, p * params.n + i, prompt,
+                         prompt_params(params, prompt, self.max_model_len, to_context))
                 for p, prompt in enumerate(prompts_of(prompt_ids)) for i in range(params.n)
                 if p * params.n + i not in resume.finished]
         for seq in seqs:

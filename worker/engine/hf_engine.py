@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine.base import ModelFacts, prompts_of, request_error, step_error
+from worker.engine.base import ModelFacts, prompt_params, prompts_of, request_error, step_error
 from worker.engine.detokenizer import IncrementalDetokenizer
 from worker.engine.sampler import Sampler, SampleRow
 from worker.engine.stopping import check_finish, release_text
@@ -65,14 +65,15 @@ class HFEngine(ModelFacts):
         return cls(model, tokenizer, eos_token_ids(model_dir, tokenizer), max_len)
 
     def add_request(self, request_id: str, prompt_ids: list[int] | list[list[int]], params: SamplingParams,
-                    resume: Resume | None = None, tenant: str | None = None) -> None:
+                    resume: Resume | None = None, tenant: str | None = None, to_context: bool = False) -> None:
         self.check_request(prompt_ids, params, resume)
         resume = resume or Resume()
         for p, prompt in enumerate(prompts_of(prompt_ids)):
+            own = prompt_params(params, prompt, self.max_model_len, to_context)
             for index in range(p * params.n, (p + 1) * params.n):
                 if index not in resume.finished:
                     done = list(resume.output_ids.get(index, []))
-                    self.waiting.append(_Choice(request_id, index, list(prompt), params, done))
+                    self.waiting.append(_Choice(request_id, index, list(prompt), own, done))
 
     def abort(self, request_id: str) -> None:
         """Drop the request's choices; each unfinished one reports finish_reason "abort" next step."""

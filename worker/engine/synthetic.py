@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from worker.engine.base import ModelFacts, prompts_of
+from worker.engine.base import ModelFacts, prompt_params, prompts_of
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import RequestOutput, Resume, SamplingParams, TokenLogprob
 
@@ -51,13 +51,14 @@ class SyntheticEngine(ModelFacts):
         return token, tokenizer.decode([token])
 
     def add_request(self, request_id: str, prompt_ids: list[int] | list[list[int]], params: SamplingParams,
-                    resume: Resume | None = None, tenant: str | None = None) -> None:
+                    resume: Resume | None = None, tenant: str | None = None, to_context: bool = False) -> None:
         """A resumed request continues each unfinished choice after the tokens it already sent."""
         self.check_request(prompt_ids, params, resume)
         if request_id in self.choices:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         resume = resume or Resume()
-        choices = [_Choice(request_id, p * params.n + i, len(prompt), params,
+        choices = [_Choice(request_id, p * params.n + i, len(prompt),
+                           prompt_params(params, prompt, self.max_model_len, to_context),
                            len(resume.output_ids.get(p * params.n + i, [])))
                    for p, prompt in enumerate(prompts_of(prompt_ids)) for i in range(params.n)
                    if p * params.n + i not in resume.finished]
