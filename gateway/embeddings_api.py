@@ -103,6 +103,9 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
     check_model_allowed(lease.key, model)
     version = await state.router.version_for(model, lease.key)
     facts = await state.registry.facts(model, version)
+    if facts.task == "generate":  # (the worker refuses too: a worker may join before the registry says)
+        raise InvalidRequest(f"The model '{model}' generates text; it does not serve embeddings (an embedding "
+                             "model folder, or a worker started with --task embed, does)", param="model")
     _check_ids(facts, body.input, truncated=body.truncate_prompt_tokens is not None)
     entry = _entry(state, lease, body, version)
     check_peer_features(entry, facts.schema)

@@ -21,6 +21,7 @@ class Facts:
     schema: int | None = None  # the protocol schema to write entries in (None: the oldest, 1)
     tool_call_parser: str | None = None  # the family parser of tool calls, when every worker names the same
     chat_markers: dict | None = None  # the chat template as role markers (worker/engine/chat_markers.py)
+    task: str | None = None  # "generate" or "embed" when every worker says the same (an older worker: generate)
 
 
 def _info(raw: bytes | None) -> dict | None:
@@ -93,4 +94,5 @@ class Registry:
                    if w["served_name"] == served_name and w["version"] == version]
         schema = 1 if any("schema" not in w for w in workers) else _smallest(workers, "schema")
         return Facts(_smallest(workers, "max_model_len"), _smallest(workers, "vocab_size"), schema,
-                     _agreed(workers, "tool_call_parser"), _same_dict(workers, "chat_markers"))
+                     _agreed(workers, "tool_call_parser"), _same_dict(workers, "chat_markers"),
+                     _agreed([{"task": "generate", **w} for w in workers], "task"))

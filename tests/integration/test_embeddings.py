@@ -67,7 +67,9 @@ def _post(cluster, body: dict, key: str = KEY) -> httpx.Response:
 
 
 def close(got, want) -> None:
-    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.tensor(want), atol=2e-5, rtol=1e-4)
+    """fp32 to 1e-4: the worker times its GEMM path at load (oneDNN or MKL, orders of summation apart),
+    so vectors differ from transformers' in the last bits, never by what a wrong pooling gives (~0.1)."""
+    torch.testing.assert_close(torch.tensor(got, dtype=torch.float32), torch.tensor(want), atol=1e-4, rtol=1e-3)
 
 
 def test_the_openai_client_gets_transformers_vectors_in_order_with_usage(cluster, reference):
@@ -160,10 +162,17 @@ def test_each_bad_input_is_refused_by_name(cluster, body, status, param, words):
 
 
 def test_each_model_serves_its_own_task(cluster):
-    with pytest.raises(BadRequestError, match="does not serve embeddings"):
+    """Refused by the gateway, which the registry tells each worker's task (naming the model), before
+    anything is queued; tokenizing on an embedding model still works."""
+    with pytest.raises(BadRequestError, match="The model 'chatty' generates text; it does not serve embeddings"):
         client(cluster).embeddings.create(model="chatty", input="hello")
-    with pytest.raises(BadRequestError, match="embedding model: it serves /v1/embeddings"):
+    with pytest.raises(BadRequestError, match="The model 'demo' is an embedding model: it serves /v1/embeddings"):
         client(cluster).chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(BadRequestError, match="embedding model"):
+        client(cluster).completions.create(model="demo", prompt="hi", max_tokens=2)
+    assert cluster.info("w-embed")["task"] == "embed" and cluster.info("w-chatty")["task"] == "generate"
+    assert httpx.post(cluster.url + "/tokenize", json={"model": "demo", "prompt": "hello"},
+                      headers={"Authorization": f"Bearer {KEY}"}).json()["count"] > 0
     reply = client(cluster).completions.create(model="chatty", prompt="Hello", max_tokens=3)
     assert reply.usage.completion_tokens >= 1  # the generative worker beside it serves as ever
 

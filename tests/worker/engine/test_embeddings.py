@@ -45,10 +45,12 @@ def expected(model_dir, inputs, mode: str, normalize: bool, length: int | None =
 
 
 def close(got, want) -> None:
+    """fp32 to 1e-4: the engine times its GEMM path at load (oneDNN or MKL, orders of summation apart),
+    so vectors differ from transformers' in the last bits, never by what a wrong pooling gives (~0.1)."""
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert len(g) == w.numel()
-        torch.testing.assert_close(torch.tensor(g), w, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(torch.tensor(g), w, atol=1e-4, rtol=1e-3)
 
 
 def test_last_token_chunked_batched_and_cached(folders, random_prompts):
