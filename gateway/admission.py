@@ -134,7 +134,8 @@ def resumes(request: Request) -> bool:
 
 RESUMABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"})
 RESUME_PREFIX = "/v1/streams/"
-GENERATING = RESUMABLE_PATHS | {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"}
+SCORING = frozenset({"/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"})
+GENERATING = RESUMABLE_PATHS | {"/v1/responses", "/v1/messages", "/v1/messages/count_tokens", "/v1/embeddings"} | SCORING
 
 
 def _deferred(request: Request, lease: Lease) -> bool:

@@ -19,6 +19,7 @@ from gateway.client_writes import WriteDeadline
 from gateway.deps import StateDep
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.embeddings_api import router as embeddings_router
+from gateway.scores_api import router as scores_router
 from gateway import metrics as prometheus
 from gateway.observe import Observe
 from gateway.messages_api import router as messages_router
@@ -61,6 +62,7 @@ def create_app(settings: GatewaySettings | None = None) -> FastAPI:
     app.include_router(messages_router)
     app.include_router(tokenize_router)
     app.include_router(embeddings_router)
+    app.include_router(scores_router)
     app.include_router(admin_router)
     app.include_router(canary_router)
     app.include_router(files_router)

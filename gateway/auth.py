@@ -72,7 +72,8 @@ PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 # minute is known to be full. The admin API and a batch's cancel count nothing.
 COUNTED_POSTS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
                            "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize",
-                           "/v1/files", "/v1/batches"})
+                           "/v1/files", "/v1/batches", "/v1/score", "/score", "/v1/rerank", "/rerank",
+                           "/v2/rerank"})
 
 
 class AuthFirst:

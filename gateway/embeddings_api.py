@@ -103,9 +103,10 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
     check_model_allowed(lease.key, model)
     version = await state.router.version_for(model, lease.key)
     facts = await state.registry.facts(model, version)
-    if facts.task == "generate":  # (the worker refuses too: a worker may join before the registry says)
-        raise InvalidRequest(f"The model '{model}' generates text; it does not serve embeddings (an embedding "
-                             "model folder, or a worker started with --task embed, does)", param="model")
+    if facts.task in ("generate", "score"):  # (the worker refuses too: a worker may join before the registry says)
+        what = "generates text" if facts.task == "generate" else "is a reranker (/v1/score, /v1/rerank)"
+        raise InvalidRequest(f"The model '{model}' {what}; it does not serve embeddings (an embedding model "
+                             "folder, or a worker started with --task embed, does)", param="model")
     _check_ids(facts, body.input, truncated=body.truncate_prompt_tokens is not None)
     entry = _entry(state, lease, body, version)
     check_peer_features(entry, facts.schema)
@@ -115,7 +116,7 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
     lease.dispatched(model, handle, Outcome(model, version, None))  # no window: not a canary signal
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     try:
-        answer = await client_wait.unless_gone(request, _collect(handle, len(body.input), state))
+        answer = await client_wait.unless_gone(request, collect_pooled(handle, len(body.input), state))
     except KvgateError as exc:
         raise exc.with_headers(headers)
     finally:
@@ -129,8 +130,9 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
     return json_body({"object": "list", "data": data, "model": model, "usage": usage}, headers)
 
 
-async def _collect(handle, count: int, state: GatewayState) -> tuple[list[str], dict]:
-    """Each input's vector (base64, as the worker sent it) once done; the worker's error raises."""
+async def collect_pooled(handle, count: int, state: GatewayState) -> tuple[list[str], dict]:
+    """Each input's vector (base64, as the worker sent it; a scored pair's: its one score) once
+    done; the worker's error raises."""
     vectors: list[str | None] = [None] * count
     async for reply in handle.replies(state.settings.keepalive_s):
         if isinstance(reply, protocol.Delta) and reply.embedding is not None and 0 <= reply.index < count:

@@ -182,9 +182,10 @@ async def _prepared(state: GatewayState, lease: Lease, call: Call, version: str)
     outputs' readers and the entry to queue."""
     body = call.body
     facts = await state.registry.facts(body.model, version)
-    if facts.task == "embed":  # (the worker refuses too: a worker may join before the registry says)
-        raise InvalidRequest(f"The model '{body.model}' is an embedding model: it serves /v1/embeddings, not "
-                             "generation", param="model")
+    if facts.task in ("embed", "score"):  # (the worker refuses too: a worker may join before the registry says)
+        what, served = (("an embedding model", "/v1/embeddings") if facts.task == "embed"
+                        else ("a reranker", "/v1/score and /v1/rerank"))
+        raise InvalidRequest(f"The model '{body.model}' is {what}: it serves {served}, not generation", param="model")
     check_context(facts.max_model_len, body.limit(), call.prompt)  # by length: before the ids
     check_token_ids(facts.vocab_size, call.prompt, body.stop_token_ids, body.logit_bias)
     outputs = _outputs(call, facts.tool_call_parser)

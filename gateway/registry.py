@@ -21,7 +21,7 @@ class Facts:
     schema: int | None = None  # the protocol schema to write entries in (None: the oldest, 1)
     tool_call_parser: str | None = None  # the family parser of tool calls, when every worker names the same
     chat_markers: dict | None = None  # the chat template as role markers (worker/engine/chat_markers.py)
-    task: str | None = None  # "generate" or "embed" when every worker says the same (an older worker: generate)
+    task: str | None = None  # "generate", "embed" or "score" when every worker says the same (an older worker: generate)
 
 
 def _info(raw: bytes | None) -> dict | None:

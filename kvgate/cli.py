@@ -106,8 +106,14 @@ def demo_model(directory: str) -> None:
 @click.option("--enforce-eager", is_flag=True, default=None, help="No CUDA graphs for decode steps")
 @click.option("--reasoning-parser", type=click.Choice(["qwen3", "deepseek_r1", "harmony"]), default=None,
               help="How the model marks its thinking [default: from the chat template]")
-@click.option("--task", type=click.Choice(["auto", "generate", "embed"]), default=None,
-              help="auto: embeddings for an embedding model folder, else generation [default: auto]")
+@click.option("--task", type=click.Choice(["auto", "generate", "embed", "score"]), default=None,
+              help="auto: embeddings for an embedding model folder, scores for a reranker's, else "
+                   "generation [default: auto]")
+@click.option("--score-tokens", default=None,
+              help="Task score on a causal LM: its answer tokens, comma-separated (Qwen3-Reranker: no,yes)")
+@click.option("--score-template", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A reranker's pair template: Jinja over messages of roles query and document "
+                   "[default: the tokenizer's pair encoding]")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
               help="How the model writes tool calls [default: from the chat template]")
 @click.option("--structured-compile-timeout-s", type=float, default=None,

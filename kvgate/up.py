@@ -342,9 +342,15 @@ def _announce(url: str, key: str, served_name: str, state: Path, model_dir: Path
     worker_metrics = (state / "worker.metrics.url").read_text().strip()
     print(f"metrics: {url}/metrics (gateway), {worker_metrics} (worker)")
     print("try:")
-    if _embeds(model_dir):
+    task = _task(model_dir)
+    if task == "embed":
         print(f"  curl {url}/v1/embeddings -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
               f"-d '{{\"model\": \"{served_name}\", \"input\": [\"Hello\", \"world\"]}}'", flush=True)
+        return
+    if task == "score":
+        print(f"  curl {url}/v1/rerank -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+              f"-d '{{\"model\": \"{served_name}\", \"query\": \"Hello\", \"documents\": [\"Hi there\", "
+              f"\"Goodbye\"]}}'", flush=True)
         return
     print(f"  curl -N {url}/v1/chat/completions -H 'Authorization: Bearer {key}' "
           f"-H 'Content-Type: application/json' -d '{{\"model\": \"{served_name}\", \"stream\": true, "
@@ -352,12 +358,15 @@ def _announce(url: str, key: str, served_name: str, state: Path, model_dir: Path
           flush=True)
 
 
-def _embeds(model_dir: Path) -> bool:
-    """The worker's task as KVGATE_TASK and the folder decide it (worker/models/pooling.py)."""
+def _task(model_dir: Path) -> str:
+    """The worker's task ("generate", "embed", "score"): KVGATE_TASK, KVGATE_SCORE_TOKENS and the
+    folder decide it (worker/models/pooling.py)."""
     from shared.settings import WorkerSettings
     from worker.models.pooling import read_pooling
 
+    settings = WorkerSettings(model=str(model_dir))
     try:
-        return read_pooling(model_dir, WorkerSettings(model=str(model_dir)).task) is not None
+        pooling = read_pooling(model_dir, settings.task, tuple(t for t in settings.score_tokens.split(",") if t))
     except ValueError:  # the worker says why, in its log
-        return False
+        return "generate"
+    return "generate" if pooling is None else "score" if pooling.scores else "embed"

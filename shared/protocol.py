@@ -16,11 +16,11 @@ import dataclasses
 from typing import Annotated, Any, Literal, Union, get_type_hints
 
 import orjson
-from pydantic import BaseModel, Field, TypeAdapter, create_model
+from pydantic import BaseModel, Field, TypeAdapter, create_model, model_validator
 
 from shared.sampling import ON_ENTRY, OPTIONAL, SamplingParams
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # still decoded, and written to peers that need it: at least the previous release's (2); 1 as well,
 # which costs nothing (later versions only add fields) and keeps a fleet that skipped a release served
 OLDEST_SCHEMA = 1
@@ -71,7 +71,7 @@ class RequestEntry(BaseModel):
     reply_channel: str
     model: str
     version: str
-    kind: Literal["chat", "completion", "tokenize", "detokenize", "tokenizer_info", "embed"]
+    kind: Literal["chat", "completion", "tokenize", "detokenize", "tokenizer_info", "embed", "score"]
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None  # a message may carry tool_calls / tool_call_id
     tools: list[dict[str, Any]] | None = None  # OpenAI function tools, given to the chat template
@@ -105,6 +105,17 @@ class RequestEntry(BaseModel):
     # v9: an embed entry's inputs keep their last `truncate` tokens (vLLM's truncate_prompt_tokens; -1: as many
     # as the worker's context holds); None: an input past the context is refused
     truncate: int | None = None
+    # v10: a score entry's (query, document) pairs as indices into `texts` (a rerank's query is sent
+    # once, not once a document), each pair scored alone (pair i's score at index i) by a reranker:
+    # the worker renders each as its folder or score template says
+    texts: list[str] | None = None
+    pairs: list[tuple[int, int]] | None = None
+
+    @model_validator(mode="after")
+    def _pairs_name_texts(self):
+        if self.pairs is not None and any(not 0 <= i < len(self.texts or ()) for pair in self.pairs for i in pair):
+            raise ValueError("a pair names a text the entry does not carry")
+        return self
 
     def sampling_params(self, model_defaults: dict | None = None, **when_absent) -> SamplingParams:
         """The engine's parameters: `params` and the entry's own (priority, cache_salt) by name; an
@@ -135,6 +146,7 @@ class Delta(BaseModel):
     prompt_texts: list[str] | None = None  # v8: one a prompt, on the admission verdict of an entry with echo_prompt
     # v9: an embed entry's vector for input `index`: base64 of little-endian float32 (OpenAI's base64
     # encoding_format, so a gateway passes it through), on that input's one delta (finish_reason "stop")
+    # v10: a score entry's score for pair `index`, as one such float32
     embedding: str | None = None
     finish_reason: str | None = None
 
@@ -182,12 +194,13 @@ ADDED: dict[int, dict[str, frozenset[str]]] = {
     7: {"request": frozenset({"from_model"})},
     8: {"request": frozenset({"prompts", "echo_prompt"}), "delta": frozenset({"prompt_texts"})},
     9: {"request": frozenset({"dimensions", "truncate"}), "delta": frozenset({"embedding"})},
+    10: {"request": frozenset({"texts", "pairs"})},
 }
 # request features an older peer would drop without a word (the params' new fields travel inside
 # `params`, which a v2 worker reads leniently): a gateway refuses them while such a peer serves
 NEEDS: dict[str, int] = {"tools": 3, "chat_template_kwargs": 3, "structured_outputs": 3, "logit_bias": 3,
                          "prompt_logprobs": 4, "tokenize": 5, "echo": 8, "batched prompts": 8,
-                         "tokenizer_info": 8, "embeddings": 9}
+                         "tokenizer_info": 8, "embeddings": 9, "scores": 10}
 
 
 def missing_features(entry: RequestEntry, version: int) -> list[str]:
@@ -197,7 +210,8 @@ def missing_features(entry: RequestEntry, version: int) -> list[str]:
             "prompt_logprobs": entry.params.prompt_logprobs is not None,
             "tokenize": entry.kind in TOKENIZER_KINDS,  # an older worker cannot read the kind
             "echo": entry.echo_prompt, "batched prompts": entry.prompts is not None,
-            "tokenizer_info": entry.kind == "tokenizer_info", "embeddings": entry.kind == "embed"}
+            "tokenizer_info": entry.kind == "tokenizer_info", "embeddings": entry.kind == "embed",
+            "scores": entry.kind == "score"}
     return [name for name, value in used.items() if value and NEEDS[name] > version]
 
 

@@ -251,11 +251,18 @@ class WorkerSettings(CommonSettings):
                                          "thinking goes to reasoning_content")
     tool_call_parser: str | None = Field(None, description="How the model writes tool calls (hermes, "
                                          "llama3; default: from the chat template)")
-    task: Literal["auto", "generate", "embed"] = Field(
+    task: Literal["auto", "generate", "embed", "score"] = Field(
         "auto", description="What the worker serves: auto (embeddings for an embedding model folder — "
-        "sentence-transformers pooling files, or a bare base model such as MistralModel — else "
-        "generation), generate, or embed (a causal LM's last-token state, normalized, as vLLM's "
-        "embed task)")
+        "sentence-transformers pooling files, or a bare base model such as MistralModel —, scores for a "
+        "<X>ForSequenceClassification reranker, else generation), generate, embed (a causal LM's "
+        "last-token state, normalized, as vLLM's embed task) or score (a causal LM as a reranker, by "
+        "score_tokens)")
+    score_tokens: str = Field("", description="Task score on a causal LM: the answer tokens whose logits "
+                              "score a pair, comma-separated (Qwen3-Reranker: no,yes — the score is P(yes); "
+                              "one token: the sigmoid of its logit), as vLLM's classifier_from_token")
+    score_template: str | None = Field(None, description="A reranker's pair template: a Jinja chat "
+                                       "template file over messages of roles query and document (vLLM's "
+                                       "score template); default: the tokenizer's pair encoding")
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out gets the model folder's generation_config.json value, where it sets "

@@ -51,9 +51,12 @@ class Waiting:
     then: Callable
 
 
-def short(p: PendingEntry) -> bool:
-    """An entry this small has its prompt made on the serving loop, at admission."""
-    return len(p.raw) <= INLINE_BYTES
+def short(p: PendingEntry, entry: protocol.RequestEntry) -> bool:
+    """An entry this small has its prompt made on the serving loop, at admission (a score entry's
+    pairs, which name their texts, by the texts they render all together)."""
+    if len(p.raw) > INLINE_BYTES:
+        return False
+    return entry.pairs is None or sum(len(entry.texts[q]) + len(entry.texts[d]) for q, d in entry.pairs) <= INLINE_BYTES
 
 
 def to_sampling_params(entry: protocol.RequestEntry, default_max_tokens: int,
@@ -100,7 +103,7 @@ class Admission:
             self.faults.delay()
             then, work = self._add, partial(self._prompt, entry, ckpt.empty)
         # made off the loop when long: what is tokenized, and token ids an echo decodes back to text
-        if not short(p) and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None
+        if not short(p, entry) and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None
                              or entry.echo_prompt):
             return Waiting(p, entry, ckpt, work, then)
         then(p, entry, ckpt, work)
@@ -205,14 +208,14 @@ class Admission:
         prompt_ids, texts = prompt()
         prompts = prompts_of(prompt_ids)  # a batched completion's several
         self.faults.crash_if_marked(entry.prompt, entry.messages)
-        if entry.kind == "embed":
-            self._embed(entry, prompts, ckpt, p.claim.tenant or None)
+        if entry.kind in ("embed", "score"):
+            self._pool(entry, prompts, ckpt, p.claim.tenant or None)
         else:
             self._generate(entry, prompt_ids, prompts, ckpt, p.claim.tenant or None)
         prompt_tokens = sum(map(len, prompts))
         self.outbox.logs.start(rid, ckpt.size)
         self.metrics.admitted(entry, prompt_tokens, resumed=p.times_delivered > 0)
-        embeds = entry.kind == "embed"  # one vector an input, each sent as made
+        embeds = entry.kind in ("embed", "score")  # one vector (a pair's: one score) an input, each sent as made
         act = self.inflight.add(rid, Active(
             p.entry_id, entry.reply_channel, len(prompts) * (1 if embeds else entry.params.n), prompt_tokens,
             seq=ckpt.last_seq,
@@ -239,16 +242,20 @@ class Admission:
         self.engine.add_request(entry.request_id, prompt_ids, params, resume, tenant=tenant,
                                 to_context=entry.params.max_tokens is None)
 
-    def _embed(self, entry: protocol.RequestEntry, prompts: list[list[int]], ckpt: checkpoint.Checkpoint,
-               tenant: str | None) -> None:
-        """An embeddings request: each input pooled by the paged engine of an embedding folder; a
-        takeover skips the inputs whose vectors went out."""
-        add = getattr(self.engine, "add_embedding", None)
+    def _pool(self, entry: protocol.RequestEntry, prompts: list[list[int]], ckpt: checkpoint.Checkpoint,
+              tenant: str | None) -> None:
+        """An embeddings request (each input pooled by the paged engine of an embedding folder), or a
+        scores one (each pair by a reranker's); a takeover skips the inputs whose answers went out."""
+        scores = entry.kind == "score"
+        add = getattr(self.engine, "add_scoring" if scores else "add_embedding", None)
         if add is None:
-            raise EngineRejected(f"embeddings need the paged engine; this worker runs {type(self.engine).__name__}",
-                                 "invalid_request", "model")
+            raise EngineRejected(f"{'scores' if scores else 'embeddings'} need the paged engine; this worker runs "
+                                 f"{type(self.engine).__name__}", "invalid_request", "model")
         params = SamplingParams(max_tokens=1, priority=entry.priority, cache_salt=entry.cache_salt)  # nothing sampled
-        add(entry.request_id, prompts, params, entry.dimensions, set(ckpt.finished), tenant=tenant)
+        if scores:
+            add(entry.request_id, prompts, params, set(ckpt.finished), tenant=tenant)
+        else:
+            add(entry.request_id, prompts, params, entry.dimensions, set(ckpt.finished), tenant=tenant)
 
     def _answer_from_tokenizer(self, p: PendingEntry, entry: protocol.RequestEntry,
                                ckpt: checkpoint.Checkpoint, answer: Callable) -> None:
@@ -278,10 +285,13 @@ class Admission:
         return ids, self._prompt_texts(entry, prompts_of(ids)) if first else None
 
     def _prompt_ids(self, entry: protocol.RequestEntry) -> list[int]:
-        from worker.engine.tokenizer import encode_prompt, render_chat
+        from worker.engine.tokenizer import encode_pair, encode_prompt, render_chat
 
         if entry.prompt_token_ids is not None:
             return list(entry.prompt_token_ids)
+        if entry.pairs is not None:  # a reranker's (query, document) pairs, each rendered as its folder says
+            texts, template = entry.texts or [], getattr(self.engine, "score_template", None)
+            return [encode_pair(self.tokenizer, texts[q], texts[d], template) for q, d in entry.pairs]
         if entry.prompts is not None:  # a batched completion's, an embedding's inputs
             prompts = [list(p) if isinstance(p, list) else encode_prompt(self.tokenizer, p) for p in entry.prompts]
             if entry.truncate is None:

@@ -115,7 +115,7 @@ class WorkerService:
                 "eos_token_ids": sorted(engine.eos_token_ids), "bos_token_id": engine.bos_token_id,
                 "schema": protocol.SCHEMA_VERSION, "draining": self.drain_deadline is not None,
                 "reasoning_parser": s.reasoning_parser, "tool_call_parser": s.tool_call_parser,
-                "chat_markers": self.chat_markers, "task": "embed" if getattr(engine, "embeds", False) else "generate",
+                "chat_markers": self.chat_markers, "task": getattr(engine, "task", "generate"),
                 "active": len(self.inflight), "stats": engine.stats(),
                 **self.metrics.outcomes.registry_fields(), "metrics_url": self.metrics.url,
                 "ts": time.time()}

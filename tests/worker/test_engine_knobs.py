@@ -17,7 +17,7 @@ from worker.main import HONOURED, engine_config
 
 KNOBS = [f for f in dataclasses.fields(EngineConfig) if f.name not in NOT_SETTINGS]
 OTHER = {"device": "cpu", "dtype": "float32", "attention_backend": "torch", "reasoning_parser": "qwen3",
-         "cpu_linear_kernel": "aten", "task": "embed"}  # str knobs: another value
+         "cpu_linear_kernel": "aten", "task": "embed", "score_tokens": "no,yes", "score_template": "pair.jinja"}  # str knobs: another value
 
 
 def _other(f: dataclasses.Field):

@@ -34,7 +34,9 @@ class EngineConfig:
     structured_cache_mb: float = 512.0  # compiled grammars kept (vLLM's VLLM_XGRAMMAR_CACHE_MB); a larger one is refused
     structured_max_token_ms: float = 20.0  # a choice's grammar matching costing more a token (mean of 16) ends it
     reasoning_parser: str | None = None  # shared/reasoning.py's name; None: from the chat template
-    task: str = "auto"  # auto (embeddings for an embedding folder), generate or embed (worker/models/pooling.py)
+    task: str = "auto"  # auto (as the folder says), generate, embed or score (worker/models/pooling.py)
+    score_tokens: str = ""  # task score on a causal LM: its answer tokens ("no,yes": comma-separated)
+    score_template: str | None = None  # a reranker's pair template file (vLLM's score template)
     tensor_parallel_size: int = 1  # processes (one GPU each on CUDA) the model is sharded across
     tensor_parallel_timeout_s: float = 60.0  # a collective waiting longer fails: the worker exits
 

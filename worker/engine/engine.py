@@ -10,7 +10,8 @@ A request with structured_outputs first waits for its grammar (compiling.py) out
 each of its choices then gets a matcher (constraint.py) whose bitmask the sampler applies and which
 accepts every token the choice emits; a grammar that ends finishes the choice with "stop".
 An embedding folder's engine embeds instead of generating (`add_embedding`, pooling.py): each input a
-prefill-only sequence whose output is its vector.
+prefill-only sequence whose output is its vector; a reranker's scores (query, document) pairs
+(`add_scoring`), each pair's output its one score.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from worker.engine.structured import Grammars
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import EngineRejected, RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.config import read_model_config
-from worker.models.pooling import read_pooling
+from worker.models.pooling import read_pooling, score_head
 
 
 IDLE_COMPILE_WAIT_S = 0.05  # an empty step waits this long for a grammar instead of spinning
@@ -46,8 +47,14 @@ class LLMEngine(ModelFacts):
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = read_model_config(config.model_dir)
-        self.pooling = read_pooling(config.model_dir, config.task)  # None: the folder generates
+        score_tokens = tuple(token for token in config.score_tokens.split(",") if token)
+        self.pooling = read_pooling(config.model_dir, config.task, score_tokens)  # None: it generates
         tokenizer = load_tokenizer(config.model_dir)
+        self.score_head = (score_head(config.model_dir, self.pooling, tokenizer, self.model_config.hidden_size)
+                           if self.pooling is not None and self.pooling.scores else None)
+        # a reranker's pair template (vLLM's score template: a chat template over messages of roles
+        # "query" and "document"); None: the tokenizer's own pair encoding
+        self.score_template = Path(config.score_template).read_text() if config.score_template else None
         eos_ids = eos_token_ids(config.model_dir, tokenizer)
         self.runner = ModelRunner(config, self.model_config, eos_ids)
         self.kv_cache = self.runner.kv  # max_model_len is its effective one: what the pool holds
@@ -66,8 +73,13 @@ class LLMEngine(ModelFacts):
 
     @property
     def embeds(self) -> bool:
-        """This engine embeds (an embedding folder, or task "embed") and does not generate."""
+        """This engine pools (embeds, or scores pairs) and does not generate."""
         return self.pooling is not None
+
+    @property
+    def task(self) -> str:
+        """What it serves: "generate", "embed" (/v1/embeddings) or "score" (/v1/score, /v1/rerank)."""
+        return "generate" if self.pooling is None else "score" if self.pooling.scores else "embed"
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, **overrides) -> LLMEngine:
@@ -84,8 +96,9 @@ class LLMEngine(ModelFacts):
         # pressure, and start-up sized max_model_len to what the pool holds, so whatever passes
         # the context check (a request without max_tokens: the rest of the context) can run.
         if self.embeds:
-            raise EngineRejected("this model is an embedding model: it serves /v1/embeddings, not generation",
-                                 "invalid_request", "model")
+            served = "/v1/score and /v1/rerank" if self.task == "score" else "/v1/embeddings"
+            raise EngineRejected(f"this model is an {'reranker' if self.task == 'score' else 'embedding model'}: "
+                                 f"it serves {served}, not generation", "invalid_request", "model")
         self.check_request(prompt_ids, params, resume)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
@@ -117,20 +130,40 @@ class LLMEngine(ModelFacts):
         """Embed each prompt (input i's vector is output index i; `dimensions`: a Matryoshka model's
         cut); `finished`: the inputs a worker that stopped already answered. All or nothing, as
         add_request; the inputs enter the scheduler AT_ONCE at a time (`_feed`)."""
-        if not self.embeds:
-            raise EngineRejected("this model generates text; it does not serve embeddings (an embedding model "
-                                 "folder, or a worker started with --task embed, does)", "invalid_request", "model")
+        if self.task != "embed":
+            raise EngineRejected(self._not_served("embeddings"), "invalid_request", "model")
         length = pooling.check(self.pooling, self.model_config.hidden_size, len(prompts), dimensions)
+        embed = pooling.Embed(self.pooling.mode, length, self.pooling.normalize)
+        self._add_pooled(request_id, prompts, params, embed, finished, "input", "input")
+
+    def add_scoring(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                    finished: Collection[int] = (), tenant: str | None = None) -> None:
+        """Score each rendered (query, document) pair (pair i's score is output index i: its
+        `embedding`, one float32); otherwise as add_embedding."""
+        if self.task != "score":
+            raise EngineRejected(self._not_served("scores"), "invalid_request", "model")
+        if not 1 <= len(prompts) <= pooling.MAX_INPUTS:
+            raise EngineRejected(f"{len(prompts)} pairs; a request scores 1 to {pooling.MAX_INPUTS}", "invalid_request")
+        embed = pooling.Embed("last", 1, False, self.score_head)
+        self._add_pooled(request_id, prompts, params, embed, finished, "pair", None)
+
+    def _not_served(self, what: str) -> str:
+        served = {"generate": "generates text", "embed": "is an embedding model (/v1/embeddings)",
+                  "score": "is a reranker (/v1/score, /v1/rerank)"}[self.task]
+        by = {"embeddings": "an embedding model folder, or a worker started with --task embed",
+              "scores": "a reranker's folder, or a worker started with --task score"}[what]
+        return f"this model {served}; it does not serve {what} ({by} does)"
+
+    def _add_pooled(self, request_id: str, prompts: list[list[int]], params: SamplingParams, embed: pooling.Embed,
+                    finished: Collection[int], what: str, param: str | None) -> None:
         for index, prompt in enumerate(prompts):
-            what = "input token id" if len(prompts) == 1 else f"input {index}'s token id"
-            self._check_ids(what, prompt, "input")
+            self._check_ids(f"{what} token id" if len(prompts) == 1 else f"{what} {index}'s token id", prompt, param)
             if not 1 <= len(prompt) <= self.max_model_len:
-                raise EngineRejected(f"input {index} has {len(prompt)} tokens; this model's maximum context "
-                                     f"length is {self.max_model_len} tokens (and an input has at least 1)",
-                                     param="input")
+                raise EngineRejected(f"{what} {index} has {len(prompt)} tokens; this model's maximum context "
+                                     f"length is {self.max_model_len} tokens (and each {what} has at least 1)",
+                                     param=param)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        embed = pooling.Embed(self.pooling.mode, length, self.pooling.normalize)
         seqs = [Sequence(request_id, i, prompt, params) for i, prompt in enumerate(prompts) if i not in finished]
         for seq in seqs:
             seq.embed, seq.status = embed, SequenceStatus.QUEUED

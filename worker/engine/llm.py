@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from worker.engine.engine import LLMEngine
-from worker.engine.tokenizer import encode_prompt
+from worker.engine.tokenizer import encode_pair, encode_prompt
 from worker.engine.types import SamplingParams, TokenLogprob
 
 
@@ -88,10 +88,20 @@ class LLM:
         request failed with."""
         ids = [encode_prompt(self.engine.tokenizer, x) if isinstance(x, str) else list(x) for x in inputs]
         self.engine.add_embedding("embed", ids, SamplingParams(max_tokens=1), dimensions)
+        return self._pooled(len(inputs))
+
+    def _pooled(self, count: int) -> list[list[float]]:
         vectors: dict[int, list[float]] = {}
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 if out.error is not None:
                     raise RuntimeError(f"{out.error.code}: {out.error.message}")
                 vectors[out.index] = array("f", out.embedding).tolist()
-        return [vectors[i] for i in range(len(inputs))]
+        return [vectors[i] for i in range(count)]
+
+    def score(self, pairs: list[tuple[str, str]]) -> list[float]:
+        """A reranker's score of each (query, document) pair, in order, as one request
+        (worker/models/pooling.py); raises what the request failed with."""
+        ids = [encode_pair(self.engine.tokenizer, q, d, self.engine.score_template) for q, d in pairs]
+        self.engine.add_scoring("score", ids, SamplingParams(max_tokens=1))
+        return [v[0] for v in self._pooled(len(pairs))]

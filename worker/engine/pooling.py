@@ -2,7 +2,9 @@
 of sampling a token. Each input is a prefill-only sequence in the paged engine, batched and chunked
 with everything else; it ends when its prefill does, its vector the last token's state ("last") or
 the mean of every token's ("mean", summed chunk by chunk), cut to the request's dimensions and
-L2-normalized where the model folder says (worker/models/pooling.py).
+L2-normalized where the model folder says (worker/models/pooling.py). A reranker's input (a rendered
+(query, document) pair) pools its last token the same way and ends as one number: sigmoid(w · state + b),
+its folder's score head.
 
 How the prefix cache meets it: "last" needs only the last position computed, which the engine always
 computes, so its inputs take cache hits as prompts do; "mean" needs every position's state, so its
@@ -27,13 +29,14 @@ MAX_BYTES = 8 << 20  # a request's vectors as float32: the bound one reply's pro
 AT_ONCE = 16  # a request's inputs in the scheduler at once (base.MAX_N: what a request's n may take)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Embed:
     """How one input becomes its vector."""
 
     mode: str  # "last" or "mean"
     length: int  # the vector's dimensions: the hidden size, or a Matryoshka model's requested cut
     normalize: bool
+    head: tuple[torch.Tensor, float] | None = None  # a reranker's (w, b): the vector is its one score
 
 
 def check(pooling, hidden_size: int, num_inputs: int, dimensions: int | None) -> int:
@@ -112,6 +115,9 @@ def vector(seq) -> bytes:
     if pooled is None:
         raise RuntimeError("the input's prefill ended without its pooled state")
     v = pooled / seq.num_tokens if embed.mode == "mean" else pooled
+    if embed.head is not None:
+        weight, bias = embed.head
+        v = torch.sigmoid(torch.dot(weight, v.float()) + bias).reshape(1)
     v = v[:embed.length]
     if embed.normalize:
         v = torch.nn.functional.normalize(v, p=2.0, dim=0)

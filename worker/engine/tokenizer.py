@@ -104,6 +104,23 @@ def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None
                              "messages") from exc
 
 
+def encode_pair(tokenizer, query: str, document: str, template: str | None = None) -> list[int]:
+    """A reranker's input for (query, document): rendered by its score template (vLLM's: a chat
+    template over messages of roles "query" and "document", which places the special tokens), or,
+    without one, the tokenizer's own pair encoding (as vLLM's cross-encoding: `tokenizer(q, d)`).
+    A template that refuses the texts, or texts UTF-8 cannot hold, refuse the request."""
+    try:
+        if template is None:
+            return list(tokenizer(query, document)["input_ids"])
+        messages = [{"role": "query", "content": query}, {"role": "document", "content": document}]
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except Exception as exc:  # the template and tokenizer are fixed: the texts caused it
+        raise EngineRejected(f"this (query, document) pair cannot be rendered: {str(exc) or type(exc).__name__}",
+                             "invalid_request") from exc
+
+
 def _template_message(message: dict, position: int) -> dict:
     """An assistant message's tool calls with their arguments as a mapping, as templates (Qwen's,
     Llama's) expect and vLLM passes them; OpenAI sends them as a JSON string."""

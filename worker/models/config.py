@@ -69,6 +69,10 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "
                  "Llama4ForCausalLM": "llama4"}
 # a causal LM's bare base model, saved without its head (embedding folders: e5-mistral's "MistralModel"): its arch
 BASE_MODELS = {name.removesuffix("ForCausalLM") + "Model": arch for name, arch in ARCHITECTURES.items()}
+# a reranker's folder (Qwen3-Reranker-seq-cls, converted rerankers): the causal LM's body with a `score`
+# head over its last token (worker/models/pooling.py reads the head)
+CLASSIFIERS = {name.removesuffix("ForCausalLM") + "ForSequenceClassification": arch
+               for name, arch in ARCHITECTURES.items()}
 # image-and-text models whose text model is served (images are not): the folder's model_type, and
 # the arch each text model_type is. Qwen2.5-VL's and Qwen3-VL's multimodal RoPE rotates a text-only
 # sequence exactly as plain RoPE does (its three position axes are equal there). Llama 4's text_config
@@ -645,13 +649,13 @@ def _text_part(raw: dict) -> dict:
 
 def _arch(raw: dict) -> str:
     for name in raw.get("architectures") or []:
-        arch = ARCHITECTURES.get(name) or BASE_MODELS.get(name)
+        arch = ARCHITECTURES.get(name) or BASE_MODELS.get(name) or CLASSIFIERS.get(name)
         if arch:
             return arch
     if raw.get("model_type") in ARCHITECTURES.values():
         return raw["model_type"]
     raise ValueError(f"unsupported architecture {raw.get('architectures')}; supported: "
-                     f"{sorted([*ARCHITECTURES, *MULTIMODAL])} and each causal LM's base model (<X>Model)")
+                     f"{sorted([*ARCHITECTURES, *MULTIMODAL])} each causal LM's base model (<X>Model) and its <X>ForSequenceClassification")
 
 
 def _refuse_what_differs(raw: dict, arch: str, scaling: dict | None, head_dim: int) -> None:

@@ -230,3 +230,27 @@ def build_embedding_dir(path: str | Path, *, arch: str = "qwen3", pooling: str |
         if normalize:
             (path / "2_Normalize").mkdir()
     return path
+
+
+def build_reranker_dir(path: str | Path, *, arch: str = "qwen3", classifier: bool = True, **kw) -> Path:
+    """A reranker's folder: build_model_dir's model, saved where `classifier` as its
+    <X>ForSequenceClassification with one label and a random `score` head (Qwen3-Reranker-seq-cls'
+    layout; pad_token_id set, which transformers' head needs to find the last token); otherwise the
+    causal LM as it is, to be served with task score and answer tokens (the original Qwen3-Reranker's)."""
+    import torch
+    import transformers
+
+    path = build_model_dir(path, arch=arch, **kw)
+    if not classifier:
+        return path
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.num_labels, config.pad_token_id = 1, config.pad_token_id if config.pad_token_id is not None else 0
+    causal = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.model.load_state_dict(causal.model.state_dict())
+    torch.manual_seed(kw.get("seed", 0) + 1)
+    torch.nn.init.normal_(model.score.weight, std=0.5)  # random, wide enough that scores spread
+    for stale in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
+        stale.unlink()
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -2,18 +2,26 @@
 its sentence-transformers files say (Qwen3-Embedding, gte-Qwen2), or — a bare base model without
 them (e5-mistral's "MistralModel"), or any causal LM served for embeddings — by its last token,
 L2-normalized, as vLLM serves such folders. Only what a causal engine computes is read: poolings
-over the prompt's tokens as they are, never bidirectional attention."""
+over the prompt's tokens as they are, never bidirectional attention.
+
+A reranker (/v1/score, /v1/rerank) pools its last token too, and scores it: a sequence-classification
+folder (`<X>ForSequenceClassification`, one label: Qwen3-Reranker-seq-cls) by its `score` head, a
+causal LM served with task "score" by its LM head's rows for the answer tokens vLLM's
+classifier_from_token names (Qwen3-Reranker: "no", "yes" — the score is P(yes) of the two; one token:
+the sigmoid of its logit). Either way the score is sigmoid(w · state + b), `score_head` reads w and b."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from worker.models.config import BASE_MODELS
+from worker.models.config import BASE_MODELS, CLASSIFIERS
 
 MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}  # sentence-transformers' flags
 MODULES = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])  # modules.json's types, in order
-TASKS = ("auto", "embed", "generate")
+TASKS = ("auto", "embed", "generate", "score")
+# configs whose logits are not the LM head's product as it stands: a score from its rows would differ
+LOGIT_CHANGES = {"final_logit_softcapping": None, "logits_scaling": 1, "logit_scale": 1}
 
 
 @dataclass(frozen=True)
@@ -26,26 +34,40 @@ class Pooling:
     mode: str
     normalize: bool
     dimensions: tuple[int, ...] | None = None
+    # a reranker's: the answer tokens whose LM-head rows score it, or () for a `score` head
+    score_tokens: tuple[str, ...] | None = None
+
+    @property
+    def scores(self) -> bool:
+        return self.score_tokens is not None
 
 
 LAST_NORMALIZED = Pooling("last", True)
 
 
-def read_pooling(model_dir: str | Path, task: str = "auto") -> Pooling | None:
+def read_pooling(model_dir: str | Path, task: str = "auto", score_tokens: tuple[str, ...] = ()) -> Pooling | None:
     """The folder's pooling, or None where it is served to generate: "auto" embeds a folder with
-    sentence-transformers files or a bare base model; "embed" any folder (last token, normalized,
-    where it says nothing); "generate" none."""
+    sentence-transformers files or a bare base model, and scores with a sequence-classification
+    folder; "embed" any folder (last token, normalized, where it says nothing); "score" a
+    sequence-classification folder, or a causal LM by `score_tokens` (or its config's
+    classifier_from_token); "generate" none."""
     if task not in TASKS:
         raise ValueError(f"task {task!r}: one of {', '.join(TASKS)}")
-    if task == "generate":
-        return None
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
+    classifier = any(name in CLASSIFIERS for name in config.get("architectures") or [])
+    if classifier and task == "generate":
+        raise ValueError(f"{model_dir} is a sequence-classification folder ({config['architectures'][0]}): it has "
+                         "no LM head to generate with; serve it with task score (or auto)")
+    if task == "generate":
+        return None
     # EmbeddingGemma's flag, and the is_causal false of decoders trained to attend both ways
     for flag, bidirectional in (("use_bidirectional_attention", True), ("is_causal", False)):
         if config.get(flag, not bidirectional) == bidirectional:
             raise ValueError(f"{flag} {str(bidirectional).lower()} in {model_dir / 'config.json'}: bidirectional "
                              "attention is not supported (kvgate's engine attends causally)")
+    if task == "score" or (classifier and task == "auto"):
+        return _scoring(model_dir, config, classifier, tuple(score_tokens))
     if (model_dir / "modules.json").is_file():
         pooling = _sentence_transformers(model_dir)
     elif task == "embed" or any(name in BASE_MODELS for name in config.get("architectures") or []):
@@ -53,6 +75,61 @@ def read_pooling(model_dir: str | Path, task: str = "auto") -> Pooling | None:
     else:
         return None
     return replace(pooling, dimensions=_matryoshka(config))
+
+
+def _scoring(model_dir: Path, config: dict, classifier: bool, score_tokens: tuple[str, ...]) -> Pooling:
+    """A reranker's pooling: its last token's state, scored by its `score` head (one label) or by the
+    LM head's rows for its answer tokens (one or two: "no", "yes")."""
+    tokens = score_tokens or tuple(config.get("classifier_from_token") or ())
+    if classifier and not score_tokens:
+        labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+        if labels != 1:
+            raise ValueError(f"{model_dir / 'config.json'} has {labels} labels: a reranker has one (its score); "
+                             "classification into several labels is not served")
+        return Pooling("last", False, score_tokens=())
+    if not 1 <= len(tokens) <= 2:
+        raise ValueError(f"task score on {model_dir} ({(config.get('architectures') or ['?'])[0]}) needs its "
+                         f"answer tokens: --score-tokens with one or two tokens (Qwen3-Reranker: no,yes), or "
+                         f"classifier_from_token in config.json; got {list(tokens)}")
+    changed = [key for key, plain in LOGIT_CHANGES.items() if config.get(key, plain) not in (plain, None)]
+    if changed:
+        raise ValueError(f"{model_dir / 'config.json'} sets {changed[0]} {config[changed[0]]}: its logits are not "
+                         "the LM head's rows as they stand, so answer tokens cannot score it")
+    return Pooling("last", False, score_tokens=tokens)
+
+
+def score_head(model_dir: str | Path, pooling: Pooling, tokenizer, hidden_size: int):
+    """A reranker's (w [hidden] float32, b float): its `score` head's row (and bias), or the LM head's
+    row for the one answer token, or for "yes" less the row for "no" (P(yes) of the two =
+    sigmoid(logit_yes - logit_no)); read from the checkpoint, whatever the worker shards."""
+    import torch
+
+    from worker.models.loader import _fallback, _open, weight_files
+
+    files = weight_files(model_dir)
+    if not pooling.score_tokens:
+        if "score.weight" not in files:
+            raise ValueError(f"{model_dir} is a sequence-classification folder without score.weight")
+        weight = _open(files["score.weight"]).get_tensor("score.weight").float()
+        if tuple(weight.shape) != (1, hidden_size):
+            raise ValueError(f"score.weight in {model_dir} has shape {tuple(weight.shape)}; a reranker's is "
+                             f"(1, {hidden_size})")
+        bias = _open(files["score.bias"]).get_tensor("score.bias").float() if "score.bias" in files else None
+        return weight[0], 0.0 if bias is None else float(bias[0])
+    ids = []
+    for token in pooling.score_tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"score token {token!r} is not one token of {model_dir}'s tokenizer")
+        ids.append(token_id)
+    name = _fallback("lm_head.weight", set(files))  # a tied checkpoint's embeddings
+    if name not in files:
+        raise ValueError(f"{model_dir} has no LM head (lm_head.weight) to score with")
+    head = _open(files[name]).get_slice(name)
+    rows = [head[i:i + 1].float()[0] for i in ids]
+    if rows[0].dtype != torch.float32 or rows[0].shape != (hidden_size,):
+        raise ValueError(f"{name} in {model_dir} is not a ({hidden_size},)-wide float head")
+    return (rows[0] if len(rows) == 1 else rows[1] - rows[0]), 0.0
 
 
 def _sentence_transformers(model_dir: Path) -> Pooling:
