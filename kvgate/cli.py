@@ -111,9 +111,9 @@ def demo_model(directory: str) -> None:
                    "generation [default: auto]")
 @click.option("--score-tokens", default=None,
               help="Task score on a causal LM: its answer tokens, comma-separated (Qwen3-Reranker: no,yes)")
-@click.option("--score-template", type=click.Path(exists=True, dir_okay=False), default=None,
-              help="A reranker's pair template: Jinja over messages of roles query and document "
-                   "[default: the tokenizer's pair encoding]")
+@click.option("--score-template", default=None,
+              help="A reranker's pair template: a Jinja file over messages of roles query and document, or "
+                   "a bundled one's name (qwen3_reranker) [default: the tokenizer's pair encoding]")
 @click.option("--tool-call-parser", type=click.Choice(["hermes", "llama3"]), default=None,
               help="How the model writes tool calls [default: from the chat template]")
 @click.option("--structured-compile-timeout-s", type=float, default=None,

@@ -30,7 +30,7 @@ from shared.quota import Quota, QuotaLimits, batch_field
 
 Status = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
                  "cancelling", "cancelled"]
-Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank"]
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
 FINAL = ("completed", "failed", "expired", "cancelled")
 WINDOWS = {"24h": 86400}  # completion windows offered, in seconds (OpenAI's only one)

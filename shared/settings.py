@@ -262,7 +262,8 @@ class WorkerSettings(CommonSettings):
                               "one token: the sigmoid of its logit), as vLLM's classifier_from_token")
     score_template: str | None = Field(None, description="A reranker's pair template: a Jinja chat "
                                        "template file over messages of roles query and document (vLLM's "
-                                       "score template); default: the tokenizer's pair encoding")
+                                       "score template), or a bundled one's name (qwen3_reranker); "
+                                       "default: the tokenizer's pair encoding")
     generation_config: Literal["auto", "none"] = Field(
         "auto", description="auto: a request that leaves temperature, top_p, top_k, min_p or "
         "repetition_penalty out gets the model folder's generation_config.json value, where it sets "

@@ -34,7 +34,7 @@ from worker.engine.structured import Grammars
 from worker.engine.tokenizer import eos_token_ids, load_tokenizer
 from worker.engine.types import EngineRejected, RequestError, RequestOutput, Resume, SamplingParams, TokenLogprob
 from worker.models.config import read_model_config
-from worker.models.pooling import read_pooling, score_head
+from worker.models.pooling import read_pooling, read_score_template, score_head
 
 
 IDLE_COMPILE_WAIT_S = 0.05  # an empty step waits this long for a grammar instead of spinning
@@ -54,7 +54,7 @@ class LLMEngine(ModelFacts):
                            if self.pooling is not None and self.pooling.scores else None)
         # a reranker's pair template (vLLM's score template: a chat template over messages of roles
         # "query" and "document"); None: the tokenizer's own pair encoding
-        self.score_template = Path(config.score_template).read_text() if config.score_template else None
+        self.score_template = read_score_template(config.score_template) if config.score_template else None
         eos_ids = eos_token_ids(config.model_dir, tokenizer)
         self.runner = ModelRunner(config, self.model_config, eos_ids)
         self.kv_cache = self.runner.kv  # max_model_len is its effective one: what the pool holds

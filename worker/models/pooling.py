@@ -132,6 +132,22 @@ def score_head(model_dir: str | Path, pooling: Pooling, tokenizer, hidden_size: 
     return (rows[0] if len(rows) == 1 else rows[1] - rows[0]), 0.0
 
 
+TEMPLATES = Path(__file__).resolve().parent.parent / "score_templates"  # bundled ones, by name
+
+
+def read_score_template(name_or_path: str) -> str:
+    """A score template's text: a file, or a bundled template's name (qwen3_reranker)."""
+    path = Path(name_or_path)
+    if not path.is_file() and (TEMPLATES / f"{name_or_path}.jinja").is_file():
+        path = TEMPLATES / f"{name_or_path}.jinja"
+    try:
+        return path.read_text()
+    except OSError as e:
+        bundled = ", ".join(sorted(p.stem for p in TEMPLATES.glob("*.jinja")))
+        raise ValueError(f"score template {name_or_path!r}: not a readable file nor a bundled template "
+                         f"({bundled}): {e}") from e
+
+
 def _sentence_transformers(model_dir: Path) -> Pooling:
     """The Transformer's states pooled as the Pooling module's config says, normalized where a
     Normalize module follows."""
