@@ -97,8 +97,10 @@ def run_worker(s: WorkerSettings) -> None:
         raise SystemExit(f"kvgate worker: {exc}") from None
     try:
         engine = build_engine(s)
-    except KVCacheTooSmall as exc:  # a setting to change, not a crash: say which, no traceback
+    except (KVCacheTooSmall, ValueError) as exc:  # a setting or a folder to change (an unsupported
+        # config, a reranker without its --score-tokens): say which, the traceback only at debug
         log.error("%s", exc)
+        log.debug("the engine did not start", exc_info=exc)
         raise SystemExit(f"kvgate worker: {exc}") from None
     service = WorkerService(s, engine, engine.tokenizer)
     service.metrics.describe_engine(engine.max_model_len, engine.kv_cache)
