@@ -11,6 +11,7 @@ from shared.settings import WorkerSettings
 from worker.engine.config import EngineConfig
 from worker.engine.kv_budget import KVCacheTooSmall
 from worker.engine.tokenizer import load_tokenizer
+from worker.models.pooling import is_encoder_folder
 
 log = logging.getLogger("kvgate.worker")
 
@@ -60,6 +61,10 @@ def resolve_parsers(s: WorkerSettings, tokenizer) -> WorkerSettings:
 def build_engine(s: WorkerSettings):
     """The paged engine by default; `hf` is the naive one-at-a-time baseline kept for benchmarks."""
     config = engine_config(s)
+    if is_encoder_folder(config.model_dir):  # BERT-style: embeddings and scores, by its own engine
+        from worker.engine.encoder import EncoderEngine
+
+        return EncoderEngine(config)
     if s.engine == "paged":
         from worker.engine.engine import LLMEngine
 

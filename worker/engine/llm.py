@@ -9,6 +9,7 @@ from pathlib import Path
 from worker.engine.engine import LLMEngine
 from worker.engine.tokenizer import encode_pair, encode_prompt
 from worker.engine.types import SamplingParams, TokenLogprob
+from worker.models.pooling import is_encoder_folder
 
 
 @dataclass
@@ -44,10 +45,15 @@ class LLM:
     `with` block) stops them."""
 
     def __init__(self, model_dir: str | Path, **config_overrides):
-        self.engine = LLMEngine.from_model_dir(model_dir, **config_overrides)
+        if is_encoder_folder(model_dir):  # a BERT-style folder: embeddings and scores only
+            from worker.engine.encoder import EncoderEngine
+
+            self.engine = EncoderEngine.from_model_dir(model_dir, **config_overrides)
+        else:
+            self.engine = LLMEngine.from_model_dir(model_dir, **config_overrides)
 
     def close(self) -> None:
-        self.engine.close()
+        getattr(self.engine, "close", lambda: None)()
 
     def __enter__(self) -> LLM:
         return self

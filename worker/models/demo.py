@@ -218,18 +218,23 @@ def build_embedding_dir(path: str | Path, *, arch: str = "qwen3", pooling: str |
         config["is_matryoshka" if matryoshka is True else "matryoshka_dimensions"] = matryoshka
         (path / "config.json").write_text(json.dumps(config, indent=2))
     if pooling is not None:
-        modules = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
-        folders = ["", "1_Pooling", "2_Normalize"]
-        (path / "modules.json").write_text(json.dumps([
-            {"idx": i, "name": str(i), "path": folder, "type": f"sentence_transformers.models.{kind}"}
-            for i, (kind, folder) in enumerate(zip(modules, folders))], indent=2))
-        (path / "1_Pooling").mkdir()
-        (path / "1_Pooling" / "config.json").write_text(json.dumps({
-            "word_embedding_dimension": config["hidden_size"],
-            **{f"pooling_mode_{mode}": mode == pooling for mode in POOLING_MODES}, "include_prompt": True}, indent=2))
-        if normalize:
-            (path / "2_Normalize").mkdir()
+        _write_sentence_transformers(path, config["hidden_size"], pooling, normalize)
     return path
+
+
+def _write_sentence_transformers(path: Path, hidden_size: int, pooling: str, normalize: bool) -> None:
+    """modules.json, 1_Pooling/config.json (pooling_mode_<pooling>) and 2_Normalize where `normalize`."""
+    modules = ["Transformer", "Pooling"] + (["Normalize"] if normalize else [])
+    folders = ["", "1_Pooling", "2_Normalize"]
+    (path / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": folder, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, folder) in enumerate(zip(modules, folders))], indent=2))
+    (path / "1_Pooling").mkdir()
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({
+        "word_embedding_dimension": hidden_size,
+        **{f"pooling_mode_{mode}": mode == pooling for mode in POOLING_MODES}, "include_prompt": True}, indent=2))
+    if normalize:
+        (path / "2_Normalize").mkdir()
 
 
 def build_reranker_dir(path: str | Path, *, arch: str = "qwen3", classifier: bool = True, **kw) -> Path:
@@ -253,4 +258,78 @@ def build_reranker_dir(path: str | Path, *, arch: str = "qwen3", classifier: boo
     for stale in [*path.glob("*.safetensors"), *path.glob("*.safetensors.index.json")]:
         stale.unlink()
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+ENCODER_KINDS = ("bert", "xlm-roberta")
+ENCODER_SPECIALS = {"bert": ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+                    "xlm-roberta": ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]}  # XLM-R's ids 0-4, as in its own
+
+
+def train_encoder_tokenizer(kind: str = "bert", vocab_size: int = 1024, seed: int = 0):
+    """bert: a lower-casing WordPiece tokenizer in BertTokenizerFast (a pair: [CLS] a [SEP] b [SEP], with
+    token_type_ids); xlm-roberta: a Unigram (SentencePiece-style, "▁" for spaces) in
+    XLMRobertaTokenizerFast (a pair: <s> a </s></s> b </s>). Trained offline on the synthetic corpus."""
+    import transformers
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    if kind == "bert":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=ENCODER_SPECIALS[kind],
+                                            show_progress=False)
+        tok.train_from_iterator(_corpus(seed=seed), trainer=trainer)
+        return transformers.BertTokenizerFast(vocab=tok.get_vocab())
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")])
+    trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=ENCODER_SPECIALS[kind],
+                                      unk_token="<unk>", show_progress=False)
+    tok.train_from_iterator(_corpus(seed=seed), trainer=trainer)
+    pieces = json.loads(tok.to_str())["model"]["vocab"]
+    return transformers.XLMRobertaTokenizerFast(vocab=[(piece, score) for piece, score in pieces])
+
+
+def build_encoder_dir(path: str | Path, *, kind: str = "bert", classifier: bool = False, num_labels: int = 1,
+                      pooling: str | None = "cls", normalize: bool = True, hidden_size: int = 64,
+                      num_layers: int = 2, num_heads: int = 4, intermediate_size: int = 128, seed: int = 0) -> Path:
+    """A BERT-style encoder's folder: a random BertModel / XLMRobertaModel (all-MiniLM's, bge's layout),
+    or where `classifier` its ForSequenceClassification with `num_labels` (ms-marco's, bge-reranker's),
+    and train_encoder_tokenizer's tokenizer; an embedding model (not `classifier`) gets
+    sentence-transformers' files unless `pooling` is None: pooling_mode_<pooling> ("cls" for
+    cls_token, "mean" for mean_tokens, or one of POOLING_MODES), then Normalize where `normalize`."""
+    import torch
+    import transformers
+
+    if kind not in ENCODER_KINDS:
+        raise ValueError(f"kind {kind!r}: one of {', '.join(ENCODER_KINDS)}")
+    mode = {"cls": "cls_token", "mean": "mean_tokens"}.get(pooling, pooling)
+    if mode is not None and mode not in POOLING_MODES:
+        raise ValueError(f"pooling {pooling!r}: cls, mean or one of {', '.join(POOLING_MODES)}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_encoder_tokenizer(kind, seed=seed)
+    kw = dict(vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+              num_attention_heads=num_heads, intermediate_size=intermediate_size,
+              pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    if kind == "bert":
+        config = transformers.BertConfig(**kw, max_position_embeddings=512, type_vocab_size=2)
+    else:  # XLM-R's: positions past pad_token_id (514 for 512 tokens), one token type
+        config = transformers.XLMRobertaConfig(**kw, max_position_embeddings=514, type_vocab_size=1,
+                                               layer_norm_eps=1e-5, bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id)
+    if classifier:
+        config.num_labels = num_labels
+    torch.manual_seed(seed)
+    auto = transformers.AutoModelForSequenceClassification if classifier else transformers.AutoModel
+    model = auto.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # wider than the default init so that vectors and scores differ across inputs
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    if mode is not None and not classifier:
+        _write_sentence_transformers(path, hidden_size, mode, normalize)
     return path

@@ -20,6 +20,7 @@ from worker.models.config import BASE_MODELS, CLASSIFIERS
 MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean"}  # sentence-transformers' flags
 MODULES = (["Transformer", "Pooling"], ["Transformer", "Pooling", "Normalize"])  # modules.json's types, in order
 TASKS = ("auto", "embed", "generate", "score")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")  # config.json's model_type (worker/models/bert.py)
 # configs whose logits are not the LM head's product as it stands: a score from its rows would differ
 LOGIT_CHANGES = {"final_logit_softcapping": None, "logits_scaling": 1, "logit_scale": 1}
 
@@ -55,6 +56,8 @@ def read_pooling(model_dir: str | Path, task: str = "auto", score_tokens: tuple[
         raise ValueError(f"task {task!r}: one of {', '.join(TASKS)}")
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
+    if config.get("model_type") in ENCODER_TYPES:
+        return _encoder_pooling(model_dir, config, task)
     classifier = any(name in CLASSIFIERS for name in config.get("architectures") or [])
     if classifier and task == "generate":
         raise ValueError(f"{model_dir} is a sequence-classification folder ({config['architectures'][0]}): it has "
@@ -82,10 +85,7 @@ def _scoring(model_dir: Path, config: dict, classifier: bool, score_tokens: tupl
     LM head's rows for its answer tokens (one or two: "no", "yes")."""
     tokens = score_tokens or tuple(config.get("classifier_from_token") or ())
     if classifier and not score_tokens:
-        labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
-        if labels != 1:
-            raise ValueError(f"{model_dir / 'config.json'} has {labels} labels: a reranker has one (its score); "
-                             "classification into several labels is not served")
+        _check_one_label(model_dir, config)
         return Pooling("last", False, score_tokens=())
     if not 1 <= len(tokens) <= 2:
         raise ValueError(f"task score on {model_dir} ({(config.get('architectures') or ['?'])[0]}) needs its "
@@ -96,6 +96,37 @@ def _scoring(model_dir: Path, config: dict, classifier: bool, score_tokens: tupl
         raise ValueError(f"{model_dir / 'config.json'} sets {changed[0]} {config[changed[0]]}: its logits are not "
                          "the LM head's rows as they stand, so answer tokens cannot score it")
     return Pooling("last", False, score_tokens=tokens)
+
+
+def is_encoder_folder(model_dir: str | Path) -> bool:
+    """A BERT-style encoder's folder (served by worker/engine/encoder.py, not the paged engine)."""
+    return _read_json(Path(model_dir) / "config.json").get("model_type") in ENCODER_TYPES
+
+
+def _check_one_label(model_dir: Path, config: dict) -> None:
+    labels = config.get("num_labels", len(config.get("id2label") or {}) or 2)
+    if labels != 1:
+        raise ValueError(f"{model_dir / 'config.json'} has {labels} labels: a reranker has one (its score); "
+                         "classification into several labels is not served")
+
+
+def _encoder_pooling(model_dir: Path, config: dict, task: str) -> Pooling:
+    """A BERT-style encoder's (worker/engine/encoder.py): a cross-encoder's classifier scores pairs
+    (one label); otherwise it embeds, by its sentence-transformers files, or by its CLS token,
+    normalized (vLLM's default for BERT folders without them)."""
+    name = (config.get("architectures") or [config["model_type"]])[0]
+    if task == "generate":
+        raise ValueError(f"{model_dir} is an encoder ({name}): it embeds or scores pairs; it does not generate")
+    classifier = name.endswith("ForSequenceClassification")
+    if classifier and task in ("auto", "score"):
+        _check_one_label(model_dir, config)
+        return Pooling("cls", False, score_tokens=())
+    if task == "score":
+        raise ValueError(f"{model_dir} is an encoder without a classification head ({name}): it cannot score pairs "
+                         "(a cross-encoder's <X>ForSequenceClassification folder can)")
+    pooling = (_sentence_transformers(model_dir, encoder=True) if (model_dir / "modules.json").is_file()
+               else Pooling("cls", True))
+    return replace(pooling, dimensions=_matryoshka(config))
 
 
 def score_head(model_dir: str | Path, pooling: Pooling, tokenizer, hidden_size: int):
@@ -148,9 +179,10 @@ def read_score_template(name_or_path: str) -> str:
                          f"({bundled}): {e}") from e
 
 
-def _sentence_transformers(model_dir: Path) -> Pooling:
+def _sentence_transformers(model_dir: Path, encoder: bool = False) -> Pooling:
     """The Transformer's states pooled as the Pooling module's config says, normalized where a
-    Normalize module follows."""
+    Normalize module follows (an encoder's may pool its CLS token: a decoder's first token sees
+    nothing after it)."""
     modules = _read_json(model_dir / "modules.json")
     types = [module.get("type", "").rpartition(".")[2] for module in modules]
     if types not in MODULES:
@@ -159,12 +191,13 @@ def _sentence_transformers(model_dir: Path) -> Pooling:
     file = model_dir / modules[1]["path"] / "config.json"
     config = _read_json(file)
     chosen = [key for key, on in config.items() if key.startswith("pooling_mode_") and on]
-    if len(chosen) != 1 or chosen[0] not in MODES:
-        raise ValueError(f"{file} pools by {chosen or 'no mode'}: supported is exactly one of {', '.join(MODES)}")
+    modes = {**MODES, "pooling_mode_cls_token": "cls"} if encoder else MODES
+    if len(chosen) != 1 or chosen[0] not in modes:
+        raise ValueError(f"{file} pools by {chosen or 'no mode'}: supported is exactly one of {', '.join(modes)}")
     if not config.get("include_prompt", True):  # the instruction's tokens left out of the mean
         raise ValueError(f"{file} says include_prompt false: supported is pooling over every prompt token "
                          "(include_prompt true)")
-    return Pooling(MODES[chosen[0]], normalize=types == MODULES[1])
+    return Pooling(modes[chosen[0]], normalize=types == MODULES[1])
 
 
 def _matryoshka(config: dict) -> tuple[int, ...] | None:
