@@ -22,7 +22,7 @@ from typing import Annotated, Union
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
 
 from gateway import bounds as b
 from gateway import client_wait, estimate
@@ -84,8 +84,19 @@ class RerankRequest(_Scored):
 
     query: Text
     documents: Annotated[list[Union[Text, Document]], Field(min_length=1, max_length=PAIRS, fail_fast=True)]
-    top_n: int | None = Field(None, ge=0, le=PAIRS)
-    return_documents: bool = True
+    top_n: StrictInt | None = Field(None, ge=0, le=PAIRS)
+    return_documents: StrictBool = True
+
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _texts_or_objects(cls, v):
+        """A document of another kind named as such (the union would name one branch's error)."""
+        if isinstance(v, list):
+            for i, doc in enumerate(v[:PAIRS + 1]):
+                if not isinstance(doc, (str, dict)):
+                    raise ValueError(f"documents[{i}] is a {type(doc).__name__}: each document is a text or "
+                                     '{"text": "..."}')
+        return v
 
     def texts_and_pairs(self) -> tuple[list[str], list[tuple[int, int]]]:
         docs = [d if isinstance(d, str) else d.text for d in self.documents]
@@ -128,7 +139,8 @@ async def _scores(body: _Scored, texts: list[str], pairs: list[tuple[int, int]],
     chars = sum(len(texts[q]) + len(texts[d]) for q, d in pairs)
     if chars > PAIR_CHARS:
         raise InvalidRequest(f"the pairs come to {chars} characters to score all together; at most {PAIR_CHARS} a "
-                             "request (send fewer documents, or a shorter query, a request)")
+                             "request (send fewer documents, or a shorter query, a request)",
+                             param="documents" if isinstance(body, RerankRequest) else "text_2")
     model = body.model
     check_model_allowed(lease.key, model)
     version = await state.router.version_for(model, lease.key)

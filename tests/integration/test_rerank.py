@@ -176,7 +176,9 @@ HUGE = {"model": "demo", "query": "q" * 500_000, "documents": [f"document {i}" f
     ("/v1/rerank", {**RERANK, "query": ""}, 422, "query", "at least 1 character"),
     ("/v1/rerank", {**RERANK, "top_n": -1}, 422, "top_n", "greater than or equal to 0"),
     ("/v1/rerank", {**RERANK, "top_n": 2049}, 422, "top_n", "less than or equal to 2048"),
-    ("/v1/rerank", {**RERANK, "documents": ["a", 5]}, 422, "documents.1", ""),
+    ("/v1/rerank", {**RERANK, "documents": ["a", 5]}, 422, "documents", "documents[1] is a int: each document is a text"),
+    ("/v1/rerank", {**RERANK, "return_documents": "yes"}, 422, "return_documents", "valid boolean"),
+    ("/v1/rerank", {**RERANK, "top_n": True}, 422, "top_n", "valid integer"),
     ("/v1/rerank", {**RERANK, "documents": "a"}, 422, "documents", "valid list"),
     ("/v1/rerank", {**RERANK, "documents": [{"text": ""}]}, 422, "documents.0", "at least 1 character"),
     ("/v1/rerank", {**RERANK, "documents": [{"txt": "a"}]}, 422, "documents.0", "Field required"),
@@ -189,8 +191,9 @@ HUGE = {"model": "demo", "query": "q" * 500_000, "documents": [f"document {i}" f
     ("/v1/score", {"model": "demo", "text_1": "a", "text_2": ["b", ""]}, 422, "text_2.1", "at least 1 character"),
     ("/v1/score", {"model": "demo", "text_1": "a", "text_2": ["b"] * 2049}, 422, "text_2", "at most 2048"),
     ("/v1/score", {"model": "demo", "text_1": "a"}, 422, "text_2", "Field required"),
-    ("/v1/rerank", HUGE, 400, None, f"at most {PAIR_CHARS}"),
-    ("/v1/score", {"model": "demo", "text_1": "x" * 450_000, "text_2": ["y"] * 20}, 400, None, f"at most {PAIR_CHARS}"),
+    ("/v1/rerank", HUGE, 400, "documents", f"at most {PAIR_CHARS}"),
+    ("/v1/score", {"model": "demo", "text_1": "x" * 450_000, "text_2": ["y"] * 20}, 400, "text_2",
+     f"at most {PAIR_CHARS}"),
 ])
 def test_each_bad_body_is_refused_by_name_before_anything_is_queued(cluster, path, body, status, param, words):
     _ok(_post(cluster, "/v1/rerank", RERANK))  # the stream exists, and the worker serves between bad bodies
