@@ -297,7 +297,8 @@ class Admission:
             if entry.truncate is None:
                 return prompts
             keep = self.engine.max_model_len if entry.truncate == -1 else entry.truncate
-            return [p[-keep:] for p in prompts]  # the end kept, as vLLM truncates
+            cut = getattr(self.engine, "truncate", None)  # an encoder's: its first tokens and its end
+            return [cut(p, keep) if cut else p[-keep:] for p in prompts]  # a decoder's end kept, as vLLM truncates
         if entry.kind == "chat":
             return render_chat(self.tokenizer, entry.messages or [], entry.tools, entry.chat_template_kwargs)
         return encode_prompt(self.tokenizer, entry.prompt or "")

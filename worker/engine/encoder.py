@@ -79,6 +79,13 @@ class EncoderEngine(ModelFacts):
     def task(self) -> str:
         return "score" if self.pooling.scores else "embed"
 
+    @staticmethod
+    def truncate(ids: list[int], keep: int) -> list[int]:
+        """An input cut to `keep` tokens (truncate_prompt_tokens): its first ones and its last, so it
+        keeps the tokenizer's [CLS] ... [SEP] (<s> ... </s>) that the pooling and the model expect,
+        as the tokenizer's own truncation does."""
+        return ids if len(ids) <= keep else ids[:keep - 1] + ids[-1:] if keep > 1 else ids[:1]
+
     def add_request(self, request_id, prompt_ids, params, resume=None, tenant=None, to_context=False) -> None:
         served = "/v1/score and /v1/rerank" if self.task == "score" else "/v1/embeddings"
         raise EngineRejected(f"this model is an encoder: it serves {served}, not generation", "invalid_request",
