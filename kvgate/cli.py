@@ -326,13 +326,15 @@ def bench_programs(model: str | None, quick: bool, questions: int | None, only: 
 @bench.command("embeddings")
 @click.option("--model", type=click.Path(exists=True, file_okay=False), default=None,
               help="A causal model folder, served with task embed [default: a random ~58M Llama built for the run]")
+@click.option("--encoder", is_flag=True,
+              help="A BERT folder of all-MiniLM-L6's sizes on the encoder engine, against sentence-transformers' way")
 @click.option("--quick", is_flag=True, help="A tiny model and 32 inputs (smoke check)")
 @click.option("--out", default="bench-out/embeddings.json", show_default=True)
-def bench_embeddings(model: str | None, quick: bool, out: str) -> None:
-    """/v1/embeddings: the paged engine vs transformers' padded batches, cached, and through the stack."""
+def bench_embeddings(model: str | None, encoder: bool, quick: bool, out: str) -> None:
+    """/v1/embeddings: the engine vs transformers' padded batches, cached, and through the stack."""
     from kvgate.bench.embeddings import run_bench
 
-    run_bench(quick=quick, out_json=out, model_dir=model)
+    run_bench(quick=quick, out_json=out, model_dir=model, encoder=encoder)
 
 
 from kvgate.bench.serve import serve_command  # noqa: E402  (client-side serving benchmark)

@@ -7,6 +7,11 @@ embedding server runs); the engine again on inputs it has embedded before (cachi
 block read from the cache); and through `kvgate up` (gateway → Redis → worker, caching off), 16
 requests of 16 inputs at once with the openai client's default base64. The engine's vectors are
 checked against transformers' on the way (the largest difference is reported).
+
+`--encoder` (or an encoder `--model`): a BERT folder of all-MiniLM-L6's sizes (mean pooling, as
+sentence-transformers serves it) on kvgate's encoder engine, against transformers the way
+sentence-transformers' `encode` runs it (inputs sorted by length, right-padded batches of 32, the
+masked mean, normalized); no cached round (an encoder caches nothing).
 """
 from __future__ import annotations
 
@@ -27,31 +32,47 @@ INPUTS, LENGTHS, ROUNDS, PER_REQUEST = 256, (32, 96), 3, 16
 QUICK_INPUTS = 32
 
 
+MINILM = dict(hidden_size=384, num_layers=6, num_heads=12, intermediate_size=1536)  # all-MiniLM-L6-v2's
+
+
 def run_bench(quick: bool = False, out_json: str | None = "bench-out/embeddings.json",
-              model_dir: str | None = None) -> dict:
+              model_dir: str | None = None, encoder: bool = False) -> dict:
     from worker.engine.llm import LLM
-    from worker.models.demo import build_model_dir
+    from worker.models.demo import build_encoder_dir, build_model_dir
+    from worker.models.pooling import is_encoder_folder
 
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-embed-") as tmp:
-        path = Path(model_dir) if model_dir else build_model_dir(Path(tmp) / "model", **_quick_sizes(quick))
+        if model_dir:
+            path = Path(model_dir)
+        elif encoder:
+            path = build_encoder_dir(Path(tmp) / "encoder", kind="bert", pooling="mean_tokens",
+                                     **({} if quick else MINILM))
+        else:
+            path = build_model_dir(Path(tmp) / "model", **_quick_sizes(quick))
+        encoder = is_encoder_folder(path)
         rng = random.Random(0)
-        inputs = [[rng.randrange(3, 2000) for _ in range(rng.randint(*LENGTHS))]
-                  for _ in range(QUICK_INPUTS if quick else INPUTS)]
+        inputs = [_input(rng, encoder) for _ in range(QUICK_INPUTS if quick else INPUTS)]
         tokens = sum(map(len, inputs))
         uncached = LLM(path, task="embed", enable_prefix_caching=False)
-        cached = LLM(path, task="embed")
-        reference = _transformers(path)
+        cached = None if encoder else LLM(path, task="embed")
+        reference = _sentence_transformers(path) if encoder else _transformers(path)
         uncached.embed(inputs[:8]), reference(inputs[:8])  # warm
-        cached.embed(inputs)  # every input's blocks in its cache
-        rates: dict[str, list[float]] = {"engine": [], "transformers_batch32": [], "engine_cached": []}
+        rates: dict[str, list[float]] = {"engine": [], "transformers_batch32": []}
+        if cached:
+            cached.embed(inputs)  # every input's blocks in its cache
+            rates["engine_cached"] = []
         for _ in range(ROUNDS):
             ours = _timed(rates["engine"], tokens, uncached.embed, inputs)
             theirs = _timed(rates["transformers_batch32"], tokens, reference, inputs)
-            _timed(rates["engine_cached"], tokens, cached.embed, inputs)
-        uncached.close(), cached.close()
+            if cached:
+                _timed(rates["engine_cached"], tokens, cached.embed, inputs)
+        uncached.close()
+        if cached:
+            cached.close()
         rates["stack"] = _through_stack(path, inputs, tokens, Path(tmp) / "stack")
     report = {
-        "cpu": cpu_name(), "inputs": len(inputs), "tokens": tokens, "tok_per_s": rates,
+        "cpu": cpu_name(), "model": "encoder (all-MiniLM-L6 sizes)" if encoder and not model_dir else str(path.name),
+        "inputs": len(inputs), "tokens": tokens, "tok_per_s": rates,
         "max_abs_diff_vs_transformers": max(abs(a - b) for u, v in zip(ours, theirs) for a, b in zip(u, v)),
         "embeddings.vs_transformers": statistics.median(rates["engine"]) / statistics.median(rates["transformers_batch32"]),
         "embeddings.stack_share": statistics.median(rates["stack"]) / statistics.median(rates["engine"]),
@@ -61,6 +82,38 @@ def run_bench(quick: bool = False, out_json: str | None = "bench-out/embeddings.
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(report, indent=1))
     return report
+
+
+def _input(rng: random.Random, encoder: bool) -> list[int]:
+    """Random ids, 32 to 96 of them; an encoder's framed by its [CLS] (2) and [SEP] (3) as the demo
+    BERT tokenizer numbers them, from its 1,024-token vocabulary."""
+    body = [rng.randrange(5, 1000 if encoder else 2000) for _ in range(rng.randint(*LENGTHS))]
+    return [2, *body[2:], 3] if encoder else body
+
+
+def _sentence_transformers(path: Path):
+    """As sentence-transformers' `encode` runs a BERT folder: sorted by length, right-padded batches of
+    32, the mean over the real tokens, normalized, answered in the inputs' order."""
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def embed(inputs: list[list[int]], batch: int = 32) -> list[list[float]]:
+        order = sorted(range(len(inputs)), key=lambda i: -len(inputs[i]))
+        vectors: list = [None] * len(inputs)
+        for start in range(0, len(order), batch):
+            chunk = order[start:start + batch]
+            width = max(len(inputs[i]) for i in chunk)
+            ids = torch.tensor([inputs[i] + [0] * (width - len(inputs[i])) for i in chunk])
+            mask = torch.tensor([[1] * len(inputs[i]) + [0] * (width - len(inputs[i])) for i in chunk])
+            hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            mean = (hidden * mask.unsqueeze(-1)).sum(1) / mask.sum(1, keepdim=True)
+            for i, v in zip(chunk, torch.nn.functional.normalize(mean, dim=-1).tolist()):
+                vectors[i] = v
+        return vectors
+
+    return embed
 
 
 def _quick_sizes(quick: bool) -> dict:

@@ -3,8 +3,8 @@ XLM-RoBERTa: all-MiniLM, bge, e5, bge-reranker, ms-marco cross-encoders), which 
 and so has nothing to page or cache: each input runs whole, once.
 
 Each step takes inputs from the waiting requests in turn (one from each, round and round, so a
-request of 2,048 inputs does not hold up one of a single input behind it) up to the step's token
-budget counted with padding (inputs x the longest of them), runs them as one right-padded batch
+request of 2,048 inputs does not hold up one of a single input behind it; each request's shortest
+first) up to the step's token budget counted with padding (inputs x the longest of them), runs them as one right-padded batch
 and answers each: its vector (the folder's pooling: CLS, mean or last token, cut to `dimensions`,
 normalized where the folder says) or, for a cross-encoder's (query, document) pair, its score —
 the classifier head's one logit through a sigmoid, as sentence-transformers' CrossEncoder and vLLM
@@ -120,8 +120,9 @@ class EncoderEngine(ModelFacts):
                                      param=param)
         if request_id in self.open:
             raise ValueError(f"request id {request_id!r} is already in the engine")
-        inputs = deque(_Input(request_id, i, list(p), scored, length) for i, p in enumerate(prompts)
-                       if i not in finished)
+        # shortest first: a step's inputs then differ little in length, so little of it is padding
+        inputs = deque(sorted((_Input(request_id, i, list(p), scored, length) for i, p in enumerate(prompts)
+                               if i not in finished), key=lambda item: len(item.ids)))
         if inputs:
             self.waiting[request_id], self.open[request_id] = inputs, len(inputs)
 
