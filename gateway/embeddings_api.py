@@ -109,25 +109,39 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
                              "folder, or a worker started with --task embed, does)", param="model")
     _check_ids(facts, body.input, truncated=body.truncate_prompt_tokens is not None)
     entry = _entry(state, lease, body, version)
-    check_peer_features(entry, facts.schema)
+    vectors, usage, headers = await run_pooled(request, lease, state, entry, facts.schema, len(body.input),
+                                               _limits(request, state, lease, body, facts.max_model_len))
+    if vectors is None:
+        return Response(status_code=499)
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
+            for i, v in enumerate(vectors)]
+    return json_body({"object": "list", "data": data, "model": model, "usage": usage}, headers)
+
+
+async def run_pooled(request: Request, lease: Lease, state: GatewayState, entry: protocol.RequestEntry,
+                     schema: int | None, count: int, before: AdmitCall) -> tuple[list[str] | None, dict, dict]:
+    """Queue a pooling entry (an embedding's, a score's: `count` answers) with its admission script
+    `before`, and wait for its answers (base64, as the worker sent them) and the usage the worker
+    counted, recorded as prompt tokens; None for the answers when the client left (the request is
+    cancelled). The worker's error raises, with the response's headers."""
+    check_peer_features(entry, schema)
+    model, version = entry.model, entry.version
     handle = await state.dispatcher.submit(
         names.request_stream(model, version, lease.lane), entry, interactive=lease.lane == names.DEFAULT_LANE,
-        schema=facts.schema, timeouts=lease.timeouts, before=_limits(request, state, lease, body, facts.max_model_len))
+        schema=schema, timeouts=lease.timeouts, before=before)
     lease.dispatched(model, handle, Outcome(model, version, None))  # no window: not a canary signal
     headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
     try:
-        answer = await client_wait.unless_gone(request, collect_pooled(handle, len(body.input), state))
+        answer = await client_wait.unless_gone(request, collect_pooled(handle, count, state))
     except KvgateError as exc:
         raise exc.with_headers(headers)
     finally:
         handle.close("client_gone")
     if answer is None:  # the client left (the close above cancelled the request)
-        return Response(status_code=499)
-    vectors, usage = answer
+        return None, {}, headers
+    answers, usage = answer
     lease.finished({**usage, "completion_tokens": 0})  # charged and recorded as a prompt's tokens
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
-            for i, v in enumerate(vectors)]
-    return json_body({"object": "list", "data": data, "model": model, "usage": usage}, headers)
+    return answers, usage, headers
 
 
 async def collect_pooled(handle, count: int, state: GatewayState) -> tuple[list[str], dict]:

@@ -25,18 +25,17 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
 
 from gateway import bounds as b
-from gateway import client_wait, estimate
+from gateway import estimate
 from gateway.admission import Admitted, Lease, admit
 from gateway.deps import StateDep
-from gateway.embeddings_api import collect_pooled
+from gateway.embeddings_api import run_pooled
 from gateway.openai_api import json_body, reserving
-from gateway.routing import VERSION_HEADER, Outcome
 from gateway.state import GatewayState
 from gateway.strict_json import ParsedJSONRoute
-from gateway.validation import check_model_allowed, check_peer_features
+from gateway.validation import check_model_allowed
 from shared import names, protocol, telemetry
 from shared.batches import BATCH_PRIORITY
-from shared.errors import InvalidRequest, KvgateError
+from shared.errors import InvalidRequest
 
 router = APIRouter(dependencies=[Depends(admit)], tags=["rerank"], route_class=ParsedJSONRoute)
 
@@ -150,24 +149,12 @@ async def _scores(body: _Scored, texts: list[str], pairs: list[tuple[int, int]],
         raise InvalidRequest(f"The model '{model}' {what}; it does not score pairs (a reranker's folder, or a worker "
                              "started with --task score, does)", param="model")
     entry = _entry(state, lease, body, version, texts, pairs)
-    check_peer_features(entry, facts.schema)
     tokens = sum(estimate.prompt_tokens({"prompt": texts[q]}) + estimate.prompt_tokens({"prompt": texts[d]})
                  for q, d in pairs)
-    handle = await state.dispatcher.submit(
-        names.request_stream(model, version, lease.lane), entry, interactive=lease.lane == names.DEFAULT_LANE,
-        schema=facts.schema, timeouts=lease.timeouts, before=reserving(request, state, lease, tokens))
-    lease.dispatched(model, handle, Outcome(model, version, None))  # no window: not a canary signal
-    headers = {VERSION_HEADER: version, "x-request-id": entry.request_id}
-    try:
-        answer = await client_wait.unless_gone(request, collect_pooled(handle, len(pairs), state))
-    except KvgateError as exc:
-        raise exc.with_headers(headers)
-    finally:
-        handle.close("client_gone")
-    if answer is None:  # the client left (the close above cancelled the request)
-        return None, {}, headers
-    encoded, usage = answer
-    lease.finished({**usage, "completion_tokens": 0})  # charged and recorded as a prompt's tokens
+    encoded, usage, headers = await run_pooled(request, lease, state, entry, facts.schema, len(pairs),
+                                               reserving(request, state, lease, tokens))
+    if encoded is None:
+        return None, usage, headers
     return [struct.unpack("<f", base64.b64decode(s))[0] for s in encoded], usage, headers
 
 

@@ -101,6 +101,16 @@ class ModelFacts:
                 raise EngineRejected(f"logit_bias for token id {token} must be a finite number; got "
                                      f"{value!r}", "invalid_request", "logit_bias")
 
+    def check_pooled_inputs(self, prompts: list[list[int]], what: str, param: str | None) -> None:
+        """An embedding's inputs or a score's pairs (`what`: "input", "pair"): each 1 to max_model_len
+        tokens inside the vocabulary."""
+        for index, prompt in enumerate(prompts):
+            self._check_ids(f"{what} token id" if len(prompts) == 1 else f"{what} {index}'s token id", prompt, param)
+            if not 1 <= len(prompt) <= self._max_model_len:
+                raise EngineRejected(f"{what} {index} has {len(prompt)} tokens; this model's maximum context "
+                                     f"length is {self._max_model_len} tokens (and each {what} has at least 1)",
+                                     param=param)
+
     def _check_ids(self, what: str, ids: list[int], param: str | None,
                    code: str = "invalid_request") -> None:
         for position, token in enumerate(ids):

@@ -112,12 +112,7 @@ class EncoderEngine(ModelFacts):
 
     def _add(self, request_id: str, prompts: list[list[int]], scored: bool, length: int, finished: Collection[int],
              what: str, param: str | None) -> None:
-        for index, prompt in enumerate(prompts):
-            self._check_ids(f"{what} token id" if len(prompts) == 1 else f"{what} {index}'s token id", prompt, param)
-            if not 1 <= len(prompt) <= self.max_model_len:
-                raise EngineRejected(f"{what} {index} has {len(prompt)} tokens; this model's maximum context "
-                                     f"length is {self.max_model_len} tokens (and each {what} has at least 1)",
-                                     param=param)
+        self.check_pooled_inputs(prompts, what, param)
         if request_id in self.open:
             raise ValueError(f"request id {request_id!r} is already in the engine")
         # shortest first: a step's inputs then differ little in length, so little of it is padding
