@@ -51,11 +51,14 @@ class Waiting:
     then: Callable
 
 
-def short(p: PendingEntry, entry: protocol.RequestEntry) -> bool:
-    """An entry this small has its prompt made on the serving loop, at admission (a score entry's
-    pairs, which name their texts, by the texts they render all together)."""
-    if len(p.raw) > INLINE_BYTES:
-        return False
+def short(p: PendingEntry) -> bool:
+    """An entry this small has its prompt made on the serving loop, at admission."""
+    return len(p.raw) <= INLINE_BYTES
+
+
+def _renders_short(entry: protocol.RequestEntry) -> bool:
+    """A score entry's pairs name their texts: what they render all together is what it costs (a
+    short entry may render a long query once a document; it is made off the loop too)."""
     return entry.pairs is None or sum(len(entry.texts[q]) + len(entry.texts[d]) for q, d in entry.pairs) <= INLINE_BYTES
 
 
@@ -103,8 +106,8 @@ class Admission:
             self.faults.delay()
             then, work = self._add, partial(self._prompt, entry, ckpt.empty)
         # made off the loop when long: what is tokenized, and token ids an echo decodes back to text
-        if not short(p, entry) and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None
-                             or entry.echo_prompt):
+        long = not (short(p) and _renders_short(entry))
+        if long and (entry.kind in protocol.TOKENIZER_KINDS or entry.prompt_token_ids is None or entry.echo_prompt):
             return Waiting(p, entry, ckpt, work, then)
         then(p, entry, ckpt, work)
         return None

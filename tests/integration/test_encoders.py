@@ -43,8 +43,8 @@ def _vectors(folder, texts: list[str]) -> list[torch.Tensor]:
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder, dtype=torch.float32)
-    return [torch.nn.functional.normalize(model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0].mean(0), dim=0)
-            for t in texts]
+    states = [model(**tokenizer(t, return_tensors="pt")).last_hidden_state[0] for t in texts]
+    return [torch.nn.functional.normalize(h.mean(0), dim=0) for h in states]
 
 
 @torch.inference_mode()

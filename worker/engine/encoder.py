@@ -4,8 +4,8 @@ and so has nothing to page or cache: each input runs whole, once.
 
 Each step takes inputs from the waiting requests in turn (one from each, round and round, so a
 request of 2,048 inputs does not hold up one of a single input behind it; each request's shortest
-first) up to the step's token budget counted with padding (inputs x the longest of them), runs them as one right-padded batch
-and answers each: its vector (the folder's pooling: CLS, mean or last token, cut to `dimensions`,
+first) up to the step's token budget counted with padding (inputs x the longest of them), runs
+them as one right-padded batch and answers each: its vector (the folder's pooling: CLS, mean or last token, cut to `dimensions`,
 normalized where the folder says) or, for a cross-encoder's (query, document) pair, its score —
 the classifier head's one logit through a sigmoid, as sentence-transformers' CrossEncoder and vLLM
 score them. A pair's second segment takes token type 1 from the first separator token on (what the
