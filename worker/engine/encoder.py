@@ -32,6 +32,9 @@ from worker.models.bert import load_encoder, read_encoder_config
 from worker.models.pooling import read_pooling, read_score_template
 
 
+STEP_CONTEXTS = 8  # a step holds this many full-length inputs' worth of tokens (or max_num_batched_tokens)
+
+
 @dataclass
 class _Input:
     request_id: str
@@ -62,7 +65,9 @@ class EncoderEngine(ModelFacts):
         positions = cfg.max_tokens  # (RoBERTa's first positions are the padding's)
         super().__init__(tokenizer, set(), min(config.max_model_len or positions, positions), cfg.vocab_size)
         self.score_template = read_score_template(config.score_template) if config.score_template else None
-        self.budget = max(config.max_num_batched_tokens or 0, self.max_model_len)  # tokens a step, padding counted
+        # tokens a step, padding counted: no decode waits behind an encoder's step, so it is sized for
+        # throughput (MiniLM-sized on 2 Xeon cores: 731 tok/s at 512 a step, 2,785 at 4,096)
+        self.budget = max(config.max_num_batched_tokens or 0, STEP_CONTEXTS * self.max_model_len)
         self.waiting: dict[str, deque[_Input]] = {}  # by request, in arrival order
         self.open: dict[str, int] = {}  # each request's inputs not yet answered
         self._aborted: list[RequestOutput] = []  # reported on the next step
