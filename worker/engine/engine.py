@@ -97,7 +97,7 @@ class LLMEngine(ModelFacts):
         # the context check (a request without max_tokens: the rest of the context) can run.
         if self.embeds:
             served = "/v1/score and /v1/rerank" if self.task == "score" else "/v1/embeddings"
-            raise EngineRejected(f"this model is an {'reranker' if self.task == 'score' else 'embedding model'}: "
+            raise EngineRejected(f"this model is {'a reranker' if self.task == 'score' else 'an embedding model'}: "
                                  f"it serves {served}, not generation", "invalid_request", "model")
         self.check_request(prompt_ids, params, resume)
         if request_id in self.requests:
