@@ -139,8 +139,15 @@ def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 def _rope(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype,
           scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles (the float32 product, as transformers forms it). On
+    the CPU they are taken in float64: on the Intel Xeon of 2026-12-08 about one process in six had
+    one OpenMP thread whose float32 cos was off by up to 1.5e-4 for angles of ~1,000 (the rows that
+    thread computed; the same process computed them right again) — float64's answer rounds to the
+    right float32 whatever that thread's state was."""
     freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
     emb = torch.cat((freqs, freqs), dim=-1)
+    if emb.device.type == "cpu":
+        emb = emb.double()
     cos, sin = emb.cos(), emb.sin()
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
