@@ -24,6 +24,7 @@ from gateway import bounds as b
 from gateway import client_wait, estimate
 from gateway.admission import Admitted, Lease, admit
 from gateway.deps import StateDep
+from gateway.registry import Facts
 from gateway.limits import AdmitCall
 from gateway.openai_api import json_body, reserving
 from gateway.routing import VERSION_HEADER, Outcome
@@ -100,15 +101,10 @@ class EmbeddingRequest(BaseModel):
 async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, state: StateDep):
     """Each input's vector, in order, with the tokens the worker counted as usage."""
     model = body.model
-    check_model_allowed(lease.key, model)
-    version = await state.router.version_for(model, lease.key)
-    facts = await state.registry.facts(model, version)
-    if facts.task in ("generate", "score"):  # (the worker refuses too: a worker may join before the registry says)
-        what = "generates text" if facts.task == "generate" else "is a reranker (/v1/score, /v1/rerank)"
-        raise InvalidRequest(f"The model '{model}' {what}; it does not serve embeddings (an embedding model "
-                             "folder, or a worker started with --task embed, does)", param="model")
+    version, facts = await pooling_model(lease, state, model, "embed")
     _check_ids(facts, body.input, truncated=body.truncate_prompt_tokens is not None)
-    entry = _entry(state, lease, body, version)
+    entry = pooled_entry(state, lease, model, version, "embed", prompts=body.input, dimensions=body.dimensions,
+                         truncate=body.truncate_prompt_tokens)
     vectors, usage, headers = await run_pooled(request, lease, state, entry, facts.schema, len(body.input),
                                                _limits(request, state, lease, body, facts.max_model_len))
     if vectors is None:
@@ -116,6 +112,39 @@ async def embeddings(body: EmbeddingRequest, request: Request, lease: Admitted, 
     data = [{"object": "embedding", "index": i, "embedding": _encoded(v, body.encoding_format)}
             for i, v in enumerate(vectors)]
     return json_body({"object": "list", "data": data, "model": model, "usage": usage}, headers)
+
+
+SERVES = {"generate": "generates text", "embed": "is an embedding model (/v1/embeddings)",
+          "score": "is a reranker (/v1/score, /v1/rerank)"}
+SERVED_BY = {"embed": ("serve embeddings", "an embedding model folder, or a worker started with --task embed"),
+             "score": ("score pairs", "a reranker's folder, or a worker started with --task score")}
+
+
+async def pooling_model(lease: Lease, state: GatewayState, model: str, task: str) -> tuple[str, Facts]:
+    """The version this key's request goes to and its workers' facts, after the key's access to the
+    model (403) and the model's task (400 naming it: the worker refuses too, for a worker not yet in
+    the registry)."""
+    check_model_allowed(lease.key, model)
+    version = await state.router.version_for(model, lease.key)
+    facts = await state.registry.facts(model, version)
+    if facts.task is not None and facts.task != task:
+        what, by = SERVED_BY[task]
+        raise InvalidRequest(f"The model '{model}' {SERVES.get(facts.task, facts.task)}; it does not {what} ({by} "
+                             "does)", param="model")
+    return version, facts
+
+
+def pooled_entry(state: GatewayState, lease: Lease, model: str, version: str, kind: str,
+                 **fields) -> protocol.RequestEntry:
+    """A pooling entry (kind embed or score, its own `fields`) under the key's lane, deadline and salt."""
+    now = time.time()
+    total_s = lease.timeouts.total_s if lease.timeouts else state.settings.request_timeout_s
+    prefix = {"embed": "embd", "score": "score"}[kind]
+    return protocol.RequestEntry(
+        request_id=f"{prefix}-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel, model=model,
+        version=version, kind=kind, created=now, deadline=now + total_s, key_id=lease.key.id,
+        weight=lease.key.weight, priority=BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0,
+        cache_salt=lease.key.cache_salt(), trace=telemetry.inject(), **fields)
 
 
 async def run_pooled(request: Request, lease: Lease, state: GatewayState, entry: protocol.RequestEntry,
@@ -193,15 +222,3 @@ def _limits(request: Request, state: GatewayState, lease: Lease, body: Embedding
     keep = max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
     each = [estimate.prompt_tokens(one) for one in estimate.each_prompt(body.prompt())]
     return reserving(request, state, lease, sum(min(n, keep) if keep else n for n in each))
-
-
-def _entry(state: GatewayState, lease: Lease, body: EmbeddingRequest, version: str) -> protocol.RequestEntry:
-    now = time.time()
-    total_s = lease.timeouts.total_s if lease.timeouts else state.settings.request_timeout_s
-    return protocol.RequestEntry(
-        request_id=f"embd-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel, model=body.model,
-        version=version, kind="embed", prompts=body.input, dimensions=body.dimensions,
-        truncate=body.truncate_prompt_tokens, created=now,
-        deadline=now + total_s, key_id=lease.key.id, weight=lease.key.weight,
-        priority=BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0, cache_salt=lease.key.cache_salt(),
-        trace=telemetry.inject())

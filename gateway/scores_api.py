@@ -15,7 +15,6 @@ of 1 MiB against 2,048 documents is 2 GiB of text for the worker to tokenize, fr
 from __future__ import annotations
 
 import base64
-import secrets
 import struct
 import time
 from typing import Annotated, Union
@@ -28,13 +27,9 @@ from gateway import bounds as b
 from gateway import estimate
 from gateway.admission import Admitted, Lease, admit
 from gateway.deps import StateDep
-from gateway.embeddings_api import run_pooled
+from gateway.embeddings_api import pooled_entry, pooling_model, run_pooled
 from gateway.openai_api import json_body, reserving
-from gateway.state import GatewayState
 from gateway.strict_json import ParsedJSONRoute
-from gateway.validation import check_model_allowed
-from shared import names, protocol, telemetry
-from shared.batches import BATCH_PRIORITY
 from shared.errors import InvalidRequest
 
 router = APIRouter(dependencies=[Depends(admit)], tags=["rerank"], route_class=ParsedJSONRoute)
@@ -140,15 +135,8 @@ async def _scores(body: _Scored, texts: list[str], pairs: list[tuple[int, int]],
         raise InvalidRequest(f"the pairs come to {chars} characters to score all together; at most {PAIR_CHARS} a "
                              "request (send fewer documents, or a shorter query, a request)",
                              param="documents" if isinstance(body, RerankRequest) else "text_2")
-    model = body.model
-    check_model_allowed(lease.key, model)
-    version = await state.router.version_for(model, lease.key)
-    facts = await state.registry.facts(model, version)
-    if facts.task in ("generate", "embed"):  # (the worker refuses too: a worker may join before the registry says)
-        what = "generates text" if facts.task == "generate" else "is an embedding model"
-        raise InvalidRequest(f"The model '{model}' {what}; it does not score pairs (a reranker's folder, or a worker "
-                             "started with --task score, does)", param="model")
-    entry = _entry(state, lease, body, version, texts, pairs)
+    version, facts = await pooling_model(lease, state, body.model, "score")
+    entry = pooled_entry(state, lease, body.model, version, "score", texts=texts, pairs=pairs)
     tokens = sum(estimate.prompt_tokens({"prompt": texts[q]}) + estimate.prompt_tokens({"prompt": texts[d]})
                  for q, d in pairs)
     encoded, usage, headers = await run_pooled(request, lease, state, entry, facts.schema, len(pairs),
@@ -156,15 +144,3 @@ async def _scores(body: _Scored, texts: list[str], pairs: list[tuple[int, int]],
     if encoded is None:
         return None, usage, headers
     return [struct.unpack("<f", base64.b64decode(s))[0] for s in encoded], usage, headers
-
-
-def _entry(state: GatewayState, lease: Lease, body: _Scored, version: str, texts: list[str],
-           pairs: list[tuple[int, int]]) -> protocol.RequestEntry:
-    now = time.time()
-    total_s = lease.timeouts.total_s if lease.timeouts else state.settings.request_timeout_s
-    return protocol.RequestEntry(
-        request_id=f"score-{secrets.token_hex(12)}", reply_channel=state.dispatcher.channel, model=body.model,
-        version=version, kind="score", texts=texts, pairs=pairs, created=now,
-        deadline=now + total_s, key_id=lease.key.id, weight=lease.key.weight,
-        priority=BATCH_PRIORITY if lease.lane == names.BATCH_LANE else 0, cache_salt=lease.key.cache_salt(),
-        trace=telemetry.inject())
